@@ -1,0 +1,78 @@
+"""Pure-torch paged attention: runs on any device; the reference for other backends.
+
+Decodes (one query each) are batched: their blocks are gathered into a padded (B, L) context
+and masked by length. Prefill chunks run one sequence at a time with a bottom-right causal mask
+over cached prefix + new tokens; a chunk with no cached prefix attends to its own K/V directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from common.attention.backends.base import AttentionBackend, write_kv
+from common.attention.metadata import AttentionMetadata
+
+
+class TorchPagedBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None) -> torch.Tensor:
+        write_kv(kv_cache, key, value, meta.slot_mapping)
+        out = torch.empty_like(query)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = _decode(query[:nd], kv_cache, meta, scale, sliding_window)
+        for i in range(nd, meta.num_seqs):
+            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            if meta.seq_lens[i] == end - start:  # no cached prefix: attend to the new K/V
+                k, v = key[start:end], value[start:end]
+            else:
+                k, v = _gather_one(kv_cache, meta.block_table[i], meta.seq_lens[i])
+            out[start:end] = _prefill(query[start:end], k, v, scale, sliding_window)
+        return out
+
+
+def _gather_one(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int):
+    num_blocks = -(-seq_len // kv_cache.shape[2])
+    kv = kv_cache[:, block_ids[:num_blocks]]  # (2, nb, bs, H, D)
+    kv = kv.flatten(1, 2)[:, :seq_len]  # (2, L, H, D)
+    return kv[0], kv[1]
+
+
+def _prefill(q, k, v, scale, sliding_window):
+    """q (Q, Hq, D) are the last Q of L positions; k/v (L, Hkv, D)."""
+    num_q, seq_len = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (H, *, D)
+    if num_q == seq_len and sliding_window is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                             enable_gqa=True)
+    else:
+        q_pos = torch.arange(seq_len - num_q, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                             enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def _decode(q, kv_cache, meta: AttentionMetadata, scale, sliding_window):
+    """q (B, Hq, D), one query per sequence, at position seq_len - 1."""
+    nd = q.shape[0]
+    block_size = kv_cache.shape[2]
+    max_len = max(meta.seq_lens[:nd])
+    num_blocks = -(-max_len // block_size)
+    table = meta.block_table[:nd, :num_blocks]
+    kv = kv_cache[:, table]  # (2, B, nb, bs, H, D)
+    kv = kv.flatten(2, 3)[:, :, :max_len].transpose(2, 3)  # (2, B, H, L, D)
+    lens = meta.seq_lens_tensor[:nd, None]
+    k_pos = torch.arange(max_len, device=q.device)[None, :]
+    mask = k_pos < lens
+    if sliding_window is not None:
+        mask &= k_pos >= lens - sliding_window
+    out = F.scaled_dot_product_attention(q[:, :, None], kv[0], kv[1], attn_mask=mask[:, None, None],
+                                         scale=scale, enable_gqa=True)
+    return out[:, :, 0]

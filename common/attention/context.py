@@ -1,0 +1,57 @@
+"""The scoped forward context: what attention layers read during one model forward.
+
+`forward_context(...)` is a context manager that refuses nesting and always resets, so no
+layer can see a stale step's metadata. `get_attention_context(layer_name)` is the one way the
+attention path (and the KV-transfer decorator) reaches the step's data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from common.attention.layer import Attention
+    from common.kv_transfer.base import KVConnector
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: AttentionMetadata | None
+    layers: dict[str, Attention]
+    kv_caches: dict[str, torch.Tensor]
+    connector: KVConnector | None = None
+    extra: dict = field(default_factory=dict)
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _current
+    if _current is not None:
+        raise RuntimeError("forward contexts do not nest")
+    _current = ctx
+    try:
+        yield ctx
+    finally:
+        _current = None
+
+
+def get_forward_context() -> ForwardContext | None:
+    return _current
+
+
+def get_attention_context(layer_name: str) -> tuple[AttentionMetadata | None, Attention, torch.Tensor]:
+    """(attn_metadata, attn_layer, kv_cache) of `layer_name` in the current forward."""
+    ctx = _current
+    if ctx is None:
+        raise RuntimeError(f"attention {layer_name!r} called outside a forward context")
+    return ctx.attn_metadata, ctx.layers[layer_name], ctx.kv_caches[layer_name]

@@ -1,0 +1,34 @@
+"""Per-step attention metadata, built once by the model runner and read by every layer.
+
+Sequences are laid out decodes first (one query token each), then prefill chunks.
+`seq_lens` counts each sequence's tokens in the cache after this step (cached prefix + new).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) int64: flat cache slot (block_id * block_size + offset)
+    query_start_loc: list[int]  # (S + 1,) token offsets of each sequence's queries
+    seq_lens: list[int]  # (S,) context length per sequence after this step
+    block_table: torch.Tensor  # (S, max_blocks) int64, padded with 0
+    seq_lens_tensor: torch.Tensor  # (S,) int64
+    num_decodes: int  # the first num_decodes sequences have exactly one query token
+    block_size: int
+    request_ids: list[str]  # (S,) for connectors: whose KV each row is
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+    def query_len(self, i: int) -> int:
+        return self.query_start_loc[i + 1] - self.query_start_loc[i]

@@ -1,0 +1,84 @@
+"""Engine configuration: frozen dataclasses that validate themselves on construction.
+
+`EngineConfig` bundles model, cache and scheduler settings; the servers' CLI parses into it in
+one place. Derived values are properties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None  # an HF-format folder; None: the built-in SmolLM2-135M-Instruct
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    attention_backend: str | None = None  # None: chosen at run time
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if torch.device(self.device).type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    @property
+    def model_dir(self) -> Path:
+        if self.model is not None:
+            return Path(self.model)
+        from common.model.default_model import default_model_dir
+
+        return default_model_dir()
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # wins over kv_cache_memory when set
+    kv_cache_memory: int = 1 << 30  # bytes
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048  # the token budget of one step
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,0 +1,92 @@
+"""The model runner: prepare inputs → run the model in a forward context → sample.
+
+A step's batch is flattened: decodes (one new token) first, then prefill chunks. Only a request
+whose computed tokens catch up with its known tokens this step is sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.attention.context import ForwardContext, forward_context
+from common.attention.metadata import AttentionMetadata
+from common.engine.request import Request
+from common.engine.sampler import SampledToken, Sampler
+from common.kv_transfer.base import KVConnector
+from common.model.llama import LlamaForCausalLM
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # (T,)
+    positions: torch.Tensor  # (T,)
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # (N,) last token of each sampled request
+    sample_reqs: list[Request]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
+                 sampler: Sampler, device: torch.device, connector: KVConnector | None = None):
+        self.model = model
+        self.layers = model.attention_layers()
+        self.kv_caches = dict(zip(self.layers, kv_caches))
+        self.block_size = block_size
+        self.sampler = sampler
+        self.device = device
+        self.connector = connector
+        if connector is not None:
+            connector.register_kv_caches(self.kv_caches)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, SampledToken]:
+        batch = self.prepare(scheduled)
+        ctx = ForwardContext(batch.attn_metadata, self.layers, self.kv_caches, self.connector)
+        transfers = self.connector is not None and self.connector.has_connector_metadata()
+        with forward_context(ctx):
+            if transfers:
+                self.connector.start_load_kv(ctx)
+            hidden = self.model(batch.input_ids, batch.positions)
+            if transfers:
+                self.connector.wait_for_save()
+        if not batch.sample_reqs:
+            return {}
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        sampled = self.sampler(logits, batch.sample_reqs)
+        return {req.request_id: s for req, s in zip(batch.sample_reqs, sampled)}
+
+    def prepare(self, scheduled: list[tuple[Request, int]]) -> ModelInput:
+        order = sorted(scheduled, key=lambda rn: rn[1] != 1)  # decodes first, stable
+        tokens, positions, slots, tables = [], [], [], []
+        starts, seq_lens, logits_idx, sample_reqs = [0], [], [], []
+        bs = self.block_size
+        for req, num_new in order:
+            first = req.num_computed_tokens
+            end = first + num_new
+            tokens.extend(req.all_token_ids[first:end])
+            positions.extend(range(first, end))
+            ids = req.block_ids
+            slots.extend(ids[p // bs] * bs + p % bs for p in range(first, end))
+            tables.append(ids)
+            starts.append(starts[-1] + num_new)
+            seq_lens.append(end)
+            if end == req.num_tokens:
+                logits_idx.append(starts[-1] - 1)
+                sample_reqs.append(req)
+        num_decodes = sum(1 for _, n in order if n == 1)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots), query_start_loc=starts, seq_lens=seq_lens,
+            block_table=self._block_table(tables), seq_lens_tensor=self._tensor(seq_lens),
+            num_decodes=num_decodes, block_size=bs,
+            request_ids=[req.request_id for req, _ in order])
+        return ModelInput(self._tensor(tokens), self._tensor(positions), meta,
+                          self._tensor(logits_idx), sample_reqs)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _block_table(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max(len(t) for t in tables)
+        return self._tensor([t + [0] * (width - len(t)) for t in tables]).view(len(tables), width)

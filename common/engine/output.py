@@ -1,0 +1,98 @@
+"""Turning sampled tokens into user-facing outputs: incremental text, stop strings, logprobs.
+
+A stop string ends the request (the text is cut before it, or after it with
+`include_stop_str_in_output`). While a request runs, the last `len(longest stop) - 1`
+characters are held back from the streamed delta, so a stop string is never half-streamed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.engine.request import Request
+from common.engine.sampler import SampledToken
+from common.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[SampledToken] | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class _Track:
+    detok: IncrementalDetokenizer
+    text: str = ""  # all text, stop-string cut applied
+    num_sent_chars: int = 0
+    num_sent_tokens: int = 0
+    num_detok_tokens: int = 0
+    stopped_by: str | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._tracks: dict[str, _Track] = {}
+
+    def add_request(self, req: Request) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                       req.sampling_params.skip_special_tokens)
+        self._tracks[req.request_id] = _Track(detok)
+
+    def remove(self, request_id: str) -> None:
+        self._tracks.pop(request_id, None)
+
+    def process(self, req: Request) -> tuple[CompletionOutput, str | None]:
+        """The request's output after its newest token, and the stop string it hit, if any."""
+        track = self._tracks[req.request_id]
+        if track.stopped_by is None and track.num_detok_tokens < req.num_output_tokens:
+            for token_id in req.output_token_ids[track.num_detok_tokens:]:
+                track.detok.add(token_id)
+            track.num_detok_tokens = req.num_output_tokens
+            track.text = track.detok.text
+            track.stopped_by = self._find_stop(req, track)
+        finished = req.is_finished or track.stopped_by is not None
+        out = self._completion(req, track, finished)
+        if finished:
+            self.remove(req.request_id)
+        return out, track.stopped_by
+
+    def _find_stop(self, req: Request, track: _Track) -> str | None:
+        params = req.sampling_params
+        for stop in params.stop:
+            idx = track.text.find(stop, max(0, track.num_sent_chars - len(stop)))
+            if idx >= 0:
+                end = idx + len(stop) if params.include_stop_str_in_output else idx
+                track.text = track.text[:end]
+                return stop
+        return None
+
+    def _completion(self, req: Request, track: _Track, finished: bool) -> CompletionOutput:
+        hold = 0 if finished else max((len(s) for s in req.sampling_params.stop), default=1) - 1
+        num_chars = max(track.num_sent_chars, len(track.text) - hold)
+        delta_text = track.text[track.num_sent_chars:num_chars]
+        delta_tokens = req.output_token_ids[track.num_sent_tokens:]
+        track.num_sent_chars, track.num_sent_tokens = num_chars, req.num_output_tokens
+        logprobs = req.output_logprobs if req.sampling_params.logprobs is not None else None
+        return CompletionOutput(
+            index=0, text=track.text, token_ids=list(req.output_token_ids),
+            finish_reason="stop" if track.stopped_by else req.finish_reason,
+            stop_reason=track.stopped_by or req.stop_reason, logprobs=logprobs,
+            delta_text=delta_text, delta_token_ids=delta_tokens)

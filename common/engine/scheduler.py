@@ -1,0 +1,147 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step has a token budget (`max_num_batched_tokens`). Running requests go first, in arrival
+order: each gets the tokens it still lacks (1 when decoding; the rest of its prompt, chunked to
+the budget, when prefilling). When the pool has no block for one, the newest running request is
+preempted: its blocks are freed (full ones stay in the prefix cache) and it waits at the head
+of the queue to be recomputed. Then waiting requests are admitted while budget, blocks and
+`max_num_seqs` allow, starting from their longest cached prefix.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from common.config import SchedulerConfig
+from common.engine.request import Request, RequestStatus
+from common.engine.sampler import SampledToken
+from common.kv_cache.manager import KVCacheManager
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 eos_token_ids: tuple[int, ...]):
+        self.cfg = cfg
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.eos_token_ids = set(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None):
+        """End a request (stop, length or abort) and free its blocks."""
+        assert status.is_finished, status
+        if req.is_finished:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status, req.stop_reason = status, stop_reason
+        self.kv.free(req)
+
+    # -- schedule ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.cfg.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_uncomputed_tokens, budget)
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    return budget
+            out.scheduled.append((req, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            computed, num_cached = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_cached
+            if num_new > budget and not self.cfg.enable_chunked_prefill:
+                return
+            num_new = min(num_new, budget)
+            req.num_computed_tokens = num_cached
+            if not self.kv.allocate_slots(req, num_new, computed):
+                req.num_computed_tokens = 0
+                return
+            self.waiting.popleft()
+            if req.status == RequestStatus.WAITING:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, num_new))
+            budget -= num_new
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # -- update -------------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish stopped requests.
+
+        Returns the requests that got a token this step (finished ones included).
+        """
+        changed = []
+        for req, num_new in out.scheduled:
+            req.num_computed_tokens += num_new
+            self.kv.cache_full_blocks(req, req.num_computed_tokens)
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.append_token(token)
+            status, reason = self._check_stop(req, token.token_id)
+            if status is not None:
+                self.finish(req, status, reason)
+            changed.append(req)
+        return changed
+
+    def _check_stop(self, req: Request, token_id: int):
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if token_id in self.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED, None
+            if token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token_id
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None

@@ -1,0 +1,89 @@
+"""Per-request block tables on top of the block pool.
+
+The scheduler asks three things: how much of a prompt is already cached (`get_computed_blocks`),
+room for the tokens it is about to compute (`allocate_slots`), and to give a request's blocks
+back (`free`). Full blocks are hashed as a chain (each hash covers its block's tokens and every
+token before it), so a hit on block i implies hits on blocks 0..i-1.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from common.kv_cache.block_pool import Block, BlockPool
+
+
+class CacheSeq(Protocol):
+    request_id: str
+    blocks: list[Block]
+    block_hashes: list[int]
+    num_computed_tokens: int
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+def hash_block(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    # NOTE: hash() of ints and tuples is not salted per process, so equal prefixes hash equally
+    # in every worker.
+    return hash((parent, token_ids))
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int):
+        self.pool = pool
+        self.block_size = block_size
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, seq: CacheSeq) -> tuple[list[Block], int]:
+        """Cached leading blocks of a new sequence and the number of tokens they hold.
+
+        At least one token is always left to compute: its logits give the next token.
+        """
+        self._update_hashes(seq)
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits = self.pool.lookup(seq.block_hashes[:max_blocks])
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, seq: CacheSeq, num_new_tokens: int,
+                       computed: list[Block] | None = None) -> bool:
+        """Make the block table cover `num_computed_tokens + num_new_tokens`; False if the pool
+        cannot (nothing is taken then)."""
+        computed = computed or []
+        have = len(seq.blocks) + len(computed)
+        need = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - have
+        evictable_hits = sum(1 for b in computed if b.ref_count == 0)
+        if need > self.pool.num_free_blocks - evictable_hits:
+            return False
+        self.pool.touch(computed)
+        seq.blocks.extend(computed)
+        last = seq.blocks[-1].block_id if seq.blocks else None
+        seq.blocks.extend(self.pool.allocate(max(need, 0), after=last))
+        return True
+
+    def cache_full_blocks(self, seq: CacheSeq, num_computed_tokens: int) -> None:
+        """Register the blocks that became full and computed."""
+        if not self.pool.enable_prefix_caching:
+            return
+        self._update_hashes(seq)
+        num_full = min(num_computed_tokens // self.block_size, len(seq.block_hashes))
+        for block, block_hash in zip(seq.blocks[:num_full], seq.block_hashes[:num_full]):
+            self.pool.cache(block, block_hash)
+
+    def free(self, seq: CacheSeq) -> None:
+        self.pool.free(list(reversed(seq.blocks)))
+        seq.blocks.clear()
+
+    def _update_hashes(self, seq: CacheSeq) -> None:
+        """Extend the sequence's hash chain over the full blocks it has now."""
+        tokens = seq.all_token_ids
+        num_full = len(tokens) // self.block_size
+        for i in range(len(seq.block_hashes), num_full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            seq.block_hashes.append(hash_block(parent, chunk))
