@@ -11,8 +11,14 @@ from pathlib import Path
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
 
 
 @dataclass(frozen=True)

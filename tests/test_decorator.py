@@ -39,6 +39,7 @@ class RecordingConnector(KVConnector):
 
 def test_decoration_requires_layer_name():
     with pytest.raises(TypeError, match="layer_name"):
+
         @maybe_transfer_kv_layer
         def attention(query, key, value):
             return query
@@ -50,8 +51,9 @@ def _recording_ctx(connector, events):
         events.append(("attn", layer_name))
         return query
 
-    ctx = ForwardContext(attn_metadata=object(), layers={"l0": None}, kv_caches={"l0": "cache"},
-                         connector=connector)
+    ctx = ForwardContext(
+        attn_metadata=object(), layers={"l0": None}, kv_caches={"l0": "cache"}, connector=connector
+    )
     return attention, ctx
 
 

@@ -40,8 +40,12 @@ def alone(tiny_model):
 
 @pytest.mark.parametrize("mode", ["greedy", "seeded"])
 def test_batch_with_chunked_prefill_equals_alone(tiny_model, alone, mode):
-    llm = LLM(str(tiny_model("llama")), num_blocks=64, max_num_batched_tokens=24,
-              enable_prefix_caching=False)
+    llm = LLM(
+        str(tiny_model("llama")),
+        num_blocks=64,
+        max_num_batched_tokens=24,
+        enable_prefix_caching=False,
+    )
     params = GREEDY if mode == "greedy" else SEEDED
     assert token_ids(llm.generate(prompts(), params)) == alone[mode]
     assert llm.engine.pool.is_all_free
@@ -83,16 +87,19 @@ def test_stop_string_token_and_length(tiny_model):
     prompt = prompts()[3]
     base = llm.generate(prompt, GREEDY)[0].outputs[0]
     assert base.finish_reason == "length" and len(base.token_ids) == 24
-    stop = base.text[len(base.text) // 2:len(base.text) // 2 + 3]
+    stop = base.text[len(base.text) // 2 : len(base.text) // 2 + 3]
     assert stop.strip(), f"pick a visible stop string from {base.text!r}"
-    cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop],
-                                              ignore_eos=True))[0].outputs[0]
+    cut = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop], ignore_eos=True)
+    )[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
-    assert cut.text == base.text[:base.text.find(stop)]
+    assert cut.text == base.text[: base.text.find(stop)]
     stop_id = base.token_ids[5]
-    by_id = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
-                                                stop_token_ids=[stop_id]))[0].outputs[0]
-    assert by_id.token_ids == base.token_ids[:base.token_ids.index(stop_id) + 1]
+    by_id = llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_id]),
+    )[0].outputs[0]
+    assert by_id.token_ids == base.token_ids[: base.token_ids.index(stop_id) + 1]
     assert by_id.finish_reason == "stop" and by_id.stop_reason == stop_id
     assert llm.engine.pool.num_used_blocks == 0
 
@@ -123,14 +130,17 @@ def test_abort_frees_blocks(tiny_model):
     assert engine.pool.num_used_blocks == 0 and not engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("params, field, limit", [
-    (dict(temperature=-0.5), "temperature", ">= 0"),
-    (dict(top_p=0.0), "top_p", "(0, 1]"),
-    (dict(top_p=1.5), "top_p", "(0, 1]"),
-    (dict(max_tokens=0), "max_tokens", ">= 1"),
-    (dict(top_k=-3), "top_k", ">= 1"),
-    (dict(temperature=float("nan")), "temperature", ">= 0"),
-])
+@pytest.mark.parametrize(
+    "params, field, limit",
+    [
+        (dict(temperature=-0.5), "temperature", ">= 0"),
+        (dict(top_p=0.0), "top_p", "(0, 1]"),
+        (dict(top_p=1.5), "top_p", "(0, 1]"),
+        (dict(max_tokens=0), "max_tokens", ">= 1"),
+        (dict(top_k=-3), "top_k", ">= 1"),
+        (dict(temperature=float("nan")), "temperature", ">= 0"),
+    ],
+)
 def test_invalid_sampling_params(params, field, limit):
     with pytest.raises(ValueError, match=field) as err:
         SamplingParams(**params)

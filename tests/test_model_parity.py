@@ -24,10 +24,17 @@ def _hf_greedy(model_dir, prompt):
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
-                          min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
-    return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits)
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits)
 
 
 def _ours_greedy(llm: LLM, prompt):

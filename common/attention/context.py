@@ -49,7 +49,9 @@ def get_forward_context() -> ForwardContext | None:
     return _current
 
 
-def get_attention_context(layer_name: str) -> tuple[AttentionMetadata | None, Attention, torch.Tensor]:
+def get_attention_context(
+    layer_name: str,
+) -> tuple[AttentionMetadata | None, Attention, torch.Tensor]:
     """(attn_metadata, attn_layer, kv_cache) of `layer_name` in the current forward."""
     ctx = _current
     if ctx is None:

@@ -4,7 +4,8 @@ Around a function with a `layer_name` parameter:
 - no connector bound to the forward context, or no connector metadata this step: a plain call;
 - otherwise: `connector.wait_for_layer_load(layer_name)` → the call →
   `connector.save_kv_layer(layer_name, kv_cache, attn_metadata)`.
-The position of `layer_name` is found once, at decoration, so positional and keyword calls both work.
+The position of `layer_name` is found once, at decoration, so positional and keyword calls
+both work.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Sequences are laid out decodes first (one query token each), then prefill chunks
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,7 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes sequences have exactly one query token
     block_size: int
     request_ids: list[str]  # (S,) for connectors: whose KV each row is
+    memo: dict = field(default_factory=dict)  # per-step values a backend derives once
 
     @property
     def num_seqs(self) -> int:

@@ -14,20 +14,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.attention.backends import select_backend
 from common.config import EngineConfig
+from common.engine.model_runner import ModelRunner
 from common.engine.output import OutputProcessor, RequestOutput
 from common.engine.request import Request, RequestStatus
 from common.engine.sampler import Sampler
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
-from common.engine.model_runner import ModelRunner
 from common.kv_cache.block_pool import BlockPool
 from common.kv_cache.manager import KVCacheManager
 from common.kv_cache.tensors import allocate_kv_caches, num_blocks_for_memory
 from common.kv_transfer.base import KVConnector
 from common.model.hf_config import load_arch_config
 from common.model.loader import load_model
-from common.attention.backends import select_backend
 from common.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -56,31 +56,42 @@ class LLMEngine:
         for layer in self.model.attention_layers().values():
             layer.backend = backend
         self.num_blocks = cc.num_blocks or num_blocks_for_memory(
-            self.arch, cc.block_size, dtype, cc.kv_cache_memory)
+            self.arch, cc.block_size, dtype, cc.kv_cache_memory
+        )
         if self.num_blocks * cc.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {self.num_blocks * cc.block_size} tokens, fewer than "
                 f"max_model_len={self.max_model_len}: raise num_blocks / kv_cache_memory or lower "
-                "max_model_len")
-        self.kv_caches = allocate_kv_caches(self.arch, self.num_blocks, cc.block_size, dtype,
-                                            self.device)
+                "max_model_len"
+            )
+        self.kv_caches = allocate_kv_caches(
+            self.arch, self.num_blocks, cc.block_size, dtype, self.device
+        )
         self.pool = BlockPool(self.num_blocks, cc.enable_prefix_caching)
         eos = tuple(sorted(set(self.arch.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.eos_token_ids = eos
-        self.scheduler = Scheduler(config.scheduler, KVCacheManager(self.pool, cc.block_size),
-                                   self.max_model_len, eos)
-        self.runner = ModelRunner(self.model, self.kv_caches, cc.block_size, Sampler(eos),
-                                  self.device, connector)
+        self.scheduler = Scheduler(
+            config.scheduler, KVCacheManager(self.pool, cc.block_size), self.max_model_len, eos
+        )
+        self.runner = ModelRunner(
+            self.model, self.kv_caches, cc.block_size, Sampler(eos), self.device, connector
+        )
         self.outputs = OutputProcessor(self.tokenizer)
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[str, int]] = {}
-        logger.info("engine ready: %s, %d layers, %d KV blocks of %d tokens, max_model_len %d",
-                    self.arch.architecture, self.arch.num_layers, self.num_blocks, cc.block_size,
-                    self.max_model_len)
+        logger.info(
+            "engine ready: %s, %d layers, %d KV blocks of %d tokens, max_model_len %d",
+            self.arch.architecture,
+            self.arch.num_layers,
+            self.num_blocks,
+            cc.block_size,
+            self.max_model_len,
+        )
 
     # -- requests -------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> None:
         params = params or SamplingParams()
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -89,8 +100,12 @@ class LLMEngine:
         parent = _Parent(text, token_ids)
         for i in range(params.n):
             child_params = _child_params(params, i)
-            child = Request(f"{request_id}#{i}" if params.n > 1 else request_id, token_ids,
-                            child_params, prompt=text)
+            child = Request(
+                f"{request_id}#{i}" if params.n > 1 else request_id,
+                token_ids,
+                child_params,
+                prompt=text,
+            )
             parent.children.append(child)
             self._children[child.request_id] = (request_id, i)
             self.outputs.add_request(child)
@@ -125,9 +140,17 @@ class LLMEngine:
             parent_id, index = self._children[req.request_id]
             parent = self._parents[parent_id]
             completion.index = index
-            out = by_parent.setdefault(parent_id, RequestOutput(
-                parent_id, parent.prompt, parent.prompt_token_ids, [], False,
-                parent.children[0].num_cached_tokens))
+            out = by_parent.setdefault(
+                parent_id,
+                RequestOutput(
+                    parent_id,
+                    parent.prompt,
+                    parent.prompt_token_ids,
+                    [],
+                    False,
+                    parent.children[0].num_cached_tokens,
+                ),
+            )
             out.outputs.append(completion)
         for parent_id, out in by_parent.items():
             out.finished = all(c.is_finished for c in self._parents[parent_id].children)
@@ -144,15 +167,20 @@ class LLMEngine:
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
-            bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < self.arch.vocab_size)]
+            bad = [
+                t for t in token_ids if not (isinstance(t, int) and 0 <= t < self.arch.vocab_size)
+            ]
             if bad:
-                raise ValueError(f"prompt token ids must be in [0, {self.arch.vocab_size}), "
-                                 f"got {bad[:5]}")
+                raise ValueError(
+                    f"prompt token ids must be in [0, {self.arch.vocab_size}), got {bad[:5]}"
+                )
         if not token_ids:
             raise ValueError("prompt must not be empty")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(token_ids)} tokens, max_model_len is "
-                             f"{self.max_model_len} (the prompt plus one output token must fit)")
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens, max_model_len is "
+                f"{self.max_model_len} (the prompt plus one output token must fit)"
+            )
         return text, token_ids
 
 
@@ -165,6 +193,7 @@ def _max_model_len(requested: int | None, model_max: int) -> int:
     if requested is None:
         return model_max
     if requested > model_max:
-        raise ValueError(f"max_model_len={requested} exceeds the model's "
-                         f"max_position_embeddings={model_max}")
+        raise ValueError(
+            f"max_model_len={requested} exceeds the model's max_position_embeddings={model_max}"
+        )
     return requested

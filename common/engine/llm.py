@@ -22,9 +22,11 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
-    def generate(self, prompts: Prompt | list[Prompt],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
@@ -35,12 +37,15 @@ class LLM:
             self.engine.add_request(rid, prompt, p)
         return self._run(ids)
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             ) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True)
-                   for c in conversations]
+        prompts = [
+            self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations
+        ]
         return self.generate(prompts, sampling_params)
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:
@@ -67,11 +72,16 @@ def _as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
 
 def _config(model: str | None, options: dict) -> EngineConfig:
     parts = {}
-    for name, cls in (("model", ModelConfig), ("cache", CacheConfig),
-                      ("scheduler", SchedulerConfig)):
+    for name, cls in (
+        ("model", ModelConfig),
+        ("cache", CacheConfig),
+        ("scheduler", SchedulerConfig),
+    ):
         fields = {f.name for f in dataclasses.fields(cls)}
-        parts[name] = cls(**{k: options.pop(k) for k in list(options) if k in fields},
-                          **({"model": model} if cls is ModelConfig else {}))
+        parts[name] = cls(
+            **{k: options.pop(k) for k in list(options) if k in fields},
+            **({"model": model} if cls is ModelConfig else {}),
+        )
     if options:
         raise TypeError(f"unknown LLM options: {sorted(options)}")
     return EngineConfig(**parts)

@@ -28,8 +28,15 @@ class ModelInput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
-                 sampler: Sampler, device: torch.device, connector: KVConnector | None = None):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        sampler: Sampler,
+        device: torch.device,
+        connector: KVConnector | None = None,
+    ):
         self.model = model
         self.layers = model.attention_layers()
         self.kv_caches = dict(zip(self.layers, kv_caches))
@@ -77,12 +84,22 @@ class ModelRunner:
                 sample_reqs.append(req)
         num_decodes = sum(1 for _, n in order if n == 1)
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots), query_start_loc=starts, seq_lens=seq_lens,
-            block_table=self._block_table(tables), seq_lens_tensor=self._tensor(seq_lens),
-            num_decodes=num_decodes, block_size=bs,
-            request_ids=[req.request_id for req, _ in order])
-        return ModelInput(self._tensor(tokens), self._tensor(positions), meta,
-                          self._tensor(logits_idx), sample_reqs)
+            slot_mapping=self._tensor(slots),
+            query_start_loc=starts,
+            seq_lens=seq_lens,
+            block_table=self._block_table(tables),
+            seq_lens_tensor=self._tensor(seq_lens),
+            num_decodes=num_decodes,
+            block_size=bs,
+            request_ids=[req.request_id for req, _ in order],
+        )
+        return ModelInput(
+            self._tensor(tokens),
+            self._tensor(positions),
+            meta,
+            self._tensor(logits_idx),
+            sample_reqs,
+        )
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -52,8 +52,9 @@ class OutputProcessor:
         self._tracks: dict[str, _Track] = {}
 
     def add_request(self, req: Request) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
-                                       req.sampling_params.skip_special_tokens)
+        detok = IncrementalDetokenizer(
+            self.tokenizer, req.prompt_token_ids, req.sampling_params.skip_special_tokens
+        )
         self._tracks[req.request_id] = _Track(detok)
 
     def remove(self, request_id: str) -> None:
@@ -63,9 +64,11 @@ class OutputProcessor:
         """The request's output after its newest token, and the stop string it hit, if any."""
         track = self._tracks[req.request_id]
         if track.stopped_by is None and track.num_detok_tokens < req.num_output_tokens:
-            for token_id in req.output_token_ids[track.num_detok_tokens:]:
+            for token_id in req.output_token_ids[track.num_detok_tokens :]:
                 track.detok.add(token_id)
             track.num_detok_tokens = req.num_output_tokens
+            if req.is_finished:
+                track.detok.flush()
             track.text = track.detok.text
             track.stopped_by = self._find_stop(req, track)
         finished = req.is_finished or track.stopped_by is not None
@@ -87,12 +90,17 @@ class OutputProcessor:
     def _completion(self, req: Request, track: _Track, finished: bool) -> CompletionOutput:
         hold = 0 if finished else max((len(s) for s in req.sampling_params.stop), default=1) - 1
         num_chars = max(track.num_sent_chars, len(track.text) - hold)
-        delta_text = track.text[track.num_sent_chars:num_chars]
-        delta_tokens = req.output_token_ids[track.num_sent_tokens:]
+        delta_text = track.text[track.num_sent_chars : num_chars]
+        delta_tokens = req.output_token_ids[track.num_sent_tokens :]
         track.num_sent_chars, track.num_sent_tokens = num_chars, req.num_output_tokens
         logprobs = req.output_logprobs if req.sampling_params.logprobs is not None else None
         return CompletionOutput(
-            index=0, text=track.text, token_ids=list(req.output_token_ids),
+            index=0,
+            text=track.text,
+            token_ids=list(req.output_token_ids),
             finish_reason="stop" if track.stopped_by else req.finish_reason,
-            stop_reason=track.stopped_by or req.stop_reason, logprobs=logprobs,
-            delta_text=delta_text, delta_token_ids=delta_tokens)
+            stop_reason=track.stopped_by or req.stop_reason,
+            logprobs=logprobs,
+            delta_text=delta_text,
+            delta_token_ids=delta_tokens,
+        )

@@ -26,8 +26,14 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 prompt: str | None = None, arrival_time: float | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -42,8 +48,7 @@ class Request:
         self.num_preemptions = 0
         self.blocks: list[Block] = []
         self.block_hashes: list[int] = []
-        self.generator = (None if params.seed is None
-                          else torch.Generator().manual_seed(params.seed))
+        self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         self._all_token_ids = list(prompt_token_ids)
 
     @property

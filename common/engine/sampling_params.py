@@ -31,22 +31,35 @@ class SamplingParams:
             self.stop = [self.stop]
         _check(self.n, "n", self.n >= 1, ">= 1")
         _check(self.max_tokens, "max_tokens", self.max_tokens >= 1, ">= 1")
-        _check(self.min_tokens, "min_tokens", 0 <= self.min_tokens <= self.max_tokens,
-               f"between 0 and max_tokens ({self.max_tokens})")
-        _check(self.temperature, "temperature", _finite(self.temperature) and self.temperature >= 0,
-               ">= 0")
+        _check(
+            self.min_tokens,
+            "min_tokens",
+            0 <= self.min_tokens <= self.max_tokens,
+            f"between 0 and max_tokens ({self.max_tokens})",
+        )
+        _check(
+            self.temperature,
+            "temperature",
+            _finite(self.temperature) and self.temperature >= 0,
+            ">= 0",
+        )
         _check(self.top_p, "top_p", _finite(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]")
         _check(self.top_k, "top_k", self.top_k >= -1, "-1, 0 (disabled) or >= 1")
         _check(self.min_p, "min_p", _finite(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(value, name, _finite(value) and -2 <= value <= 2, "in [-2, 2]")
-        _check(self.repetition_penalty, "repetition_penalty",
-               _finite(self.repetition_penalty) and self.repetition_penalty > 0, "> 0")
+        _check(
+            self.repetition_penalty,
+            "repetition_penalty",
+            _finite(self.repetition_penalty) and self.repetition_penalty > 0,
+            "> 0",
+        )
         if self.logprobs is not None:
             _check(self.logprobs, "logprobs", 0 <= self.logprobs <= 20, "in [0, 20]")
-        _check(self.stop, "stop", all(isinstance(s, str) and s for s in self.stop),
-               "non-empty strings")
+        _check(
+            self.stop, "stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"
+        )
 
     @property
     def is_greedy(self) -> bool:
@@ -54,8 +67,11 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (self.presence_penalty != 0 or self.frequency_penalty != 0
-                or self.repetition_penalty != 1)
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
 
     def check_token_ids(self, vocab_size: int) -> None:
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]

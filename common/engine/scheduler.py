@@ -34,8 +34,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 eos_token_ids: tuple[int, ...]):
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+    ):
         self.cfg = cfg
         self.kv = kv
         self.max_model_len = max_model_len

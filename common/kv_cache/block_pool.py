@@ -115,11 +115,11 @@ class BlockPool:
         for block in list(self._cached.values()):
             self._evict(block)
 
-    # -- internals ----------------------------------------------------------------------------------
+    # -- internals --------------------------------------------------------------------------
     def _find_run(self, num: int, after: int | None) -> list[int] | None:
         if after is not None:
             start = after + 1
-            if self._empty[start:start + num] == bytes([_EMPTY]) * num:
+            if self._empty[start : start + num] == bytes([_EMPTY]) * num:
                 return list(range(start, start + num))
         start = self._empty.find(bytes([_EMPTY]) * num)
         return None if start < 0 else list(range(start, start + num))

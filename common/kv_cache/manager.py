@@ -50,8 +50,9 @@ class KVCacheManager:
         hits = self.pool.lookup(seq.block_hashes[:max_blocks])
         return hits, len(hits) * self.block_size
 
-    def allocate_slots(self, seq: CacheSeq, num_new_tokens: int,
-                       computed: list[Block] | None = None) -> bool:
+    def allocate_slots(
+        self, seq: CacheSeq, num_new_tokens: int, computed: list[Block] | None = None
+    ) -> bool:
         """Make the block table cover `num_computed_tokens + num_new_tokens`; False if the pool
         cannot (nothing is taken then)."""
         computed = computed or []
@@ -85,5 +86,5 @@ class KVCacheManager:
         num_full = len(tokens) // self.block_size
         for i in range(len(seq.block_hashes), num_full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             seq.block_hashes.append(hash_block(parent, chunk))

@@ -17,17 +17,24 @@ def bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> in
     return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
 
 
-def num_blocks_for_memory(arch: ArchConfig, block_size: int, dtype: torch.dtype,
-                          memory_bytes: int) -> int:
+def num_blocks_for_memory(
+    arch: ArchConfig, block_size: int, dtype: torch.dtype, memory_bytes: int
+) -> int:
     num = memory_bytes // bytes_per_block(arch, block_size, dtype)
     if num < 1:
         raise ValueError(
             f"kv_cache_memory={memory_bytes} bytes holds no block "
-            f"(one block is {bytes_per_block(arch, block_size, dtype)} bytes)")
+            f"(one block is {bytes_per_block(arch, block_size, dtype)} bytes)"
+        )
     return int(num)
 
 
-def allocate_kv_caches(arch: ArchConfig, num_blocks: int, block_size: int,
-                       dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+def allocate_kv_caches(
+    arch: ArchConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[torch.Tensor]:
     shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]

@@ -80,7 +80,8 @@ def parse_arch_config(raw: dict, source: str = "config.json") -> ArchConfig:
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise ModelLoadError(
-            f"{source}: unsupported architecture {archs!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{source}: unsupported architecture {archs!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     try:
         hidden = int(raw["hidden_size"])

@@ -26,21 +26,28 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for positions [0, max_positions), applied by position lookup."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int,
-                 scaling: RopeScaling | None = None):
+    def __init__(
+        self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None = None
+    ):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        )
         if scaling is not None:
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self._positions: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions (T,), q (T, Hq, D), k (T, Hkv, D) → rotated q, k."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (T, 1, D)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        if positions is not self._positions:  # every layer of a step shares one lookup
+            self._positions = positions
+            self._cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (T, 1, D)
+            self._sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        cos, sin = self._cos, self._sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -55,7 +62,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
     smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor)
+        s.high_freq_factor - s.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(is_medium, smoothed, scaled)

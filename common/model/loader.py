@@ -18,13 +18,17 @@ from common.model.llama import LlamaForCausalLM
 
 # HF name fragment → (fused parameter fragment, shard index)
 _FUSED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
 }
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
-               max_positions: int) -> LlamaForCausalLM:
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, max_positions: int
+) -> LlamaForCausalLM:
     model_dir = Path(model_dir)
     arch = load_arch_config(model_dir)
     with torch.device("meta"):
@@ -68,25 +72,32 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]
 def _load_weights(model: LlamaForCausalLM, arch: ArchConfig, model_dir: Path) -> None:
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
-    expected_shards = {name: (3 if "qkv_proj" in name else 2 if "gate_up" in name else 1)
-                       for name in params}
+    expected_shards = {
+        name: (3 if "qkv_proj" in name else 2 if "gate_up" in name else 1) for name in params
+    }
     for path, name, tensor in _iter_tensors(_safetensors_files(model_dir)):
         target, shard = _map_name(name)
         if target is None or (target == "lm_head.weight" and arch.tie_word_embeddings):
             continue
         if target not in params:
-            raise ModelLoadError(f"{path}: tensor {name!r} does not belong to a {arch.architecture}")
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} does not belong to a {arch.architecture}"
+            )
         dst = _shard_view(params[target], target, shard, arch)
         if tuple(tensor.shape) != tuple(dst.shape):
-            raise ModelLoadError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(dst.shape)}")
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(dst.shape)}"
+            )
         with torch.no_grad():
             dst.copy_(tensor.to(dst.dtype))
         filled[target] = filled.get(target, 0) + 1
     missing = [n for n, k in expected_shards.items() if filled.get(n, 0) < k]
     if missing:
-        raise ModelLoadError(f"{model_dir}: weights missing from the safetensors files: {missing[:5]}"
-                             + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""))
+        raise ModelLoadError(
+            f"{model_dir}: weights missing from the safetensors files: {missing[:5]}"
+            + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        )
 
 
 def _map_name(name: str) -> tuple[str | None, int | None]:
@@ -107,4 +118,4 @@ def _shard_view(param: torch.Tensor, target: str, shard: int | None, arch: ArchC
     else:
         sizes = [arch.intermediate_size] * 2
     start = sum(sizes[:shard])
-    return param.data[start:start + sizes[shard]]
+    return param.data[start : start + sizes[shard]]

@@ -22,8 +22,9 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
 }
 
 
-def select_backend(device: torch.device, dtype: torch.dtype, block_size: int,
-                   name: str | None = None) -> AttentionBackend:
+def select_backend(
+    device: torch.device, dtype: torch.dtype, block_size: int, name: str | None = None
+) -> AttentionBackend:
     if name is not None:
         if name not in BACKENDS:
             raise ValueError(f"attention backend must be one of {sorted(BACKENDS)}, got {name!r}")

@@ -13,15 +13,23 @@ class AttentionBackend(ABC):
     name: str
 
     @classmethod
-    def unsupported_reason(cls, device: torch.device, dtype: torch.dtype,
-                           block_size: int) -> str | None:
+    def unsupported_reason(
+        cls, device: torch.device, dtype: torch.dtype, block_size: int
+    ) -> str | None:
         """None when the backend can run with these settings, else why not."""
         return None
 
     @abstractmethod
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
         """Write key/value into the cache, then attend.
 
         query (T, Hq, D), key/value (T, Hkv, D), kv_cache (2, num_blocks, block_size, Hkv, D);
@@ -29,8 +37,9 @@ class AttentionBackend(ABC):
         """
 
 
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     _, num_blocks, block_size, heads, dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
     flat[0].index_copy_(0, slot_mapping, key)

@@ -16,11 +16,13 @@ from common.attention.metadata import AttentionMetadata
 def _import_flash():
     try:
         from vllm.vllm_flash_attn import flash_attn_varlen_func  # type: ignore
+
         return flash_attn_varlen_func, "vllm.vllm_flash_attn"
     except Exception:  # noqa: BLE001 — any import failure means "not available"
         pass
     try:
         from vllm_flash_attn import flash_attn_varlen_func  # type: ignore
+
         return flash_attn_varlen_func, "vllm_flash_attn"
     except Exception as e:  # noqa: BLE001
         return None, f"vllm-flash-attn does not import ({type(e).__name__}: {e})"
@@ -45,18 +47,34 @@ class FlashAttentionBackend(AttentionBackend):
         fn, why = _import_flash()
         return None if fn is not None else why
 
-    def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None) -> torch.Tensor:
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
         write_kv(kv_cache, key, value, meta.slot_mapping)
         device = query.device
         cu_q = torch.tensor(meta.query_start_loc, dtype=torch.int32, device=device)
         seq_lens = meta.seq_lens_tensor.to(torch.int32)
         max_q = max(meta.query_len(i) for i in range(meta.num_seqs))
         window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
-        kwargs = dict(q=query, k=kv_cache[0], v=kv_cache[1], cu_seqlens_q=cu_q,
-                      max_seqlen_q=max_q, max_seqlen_k=max(meta.seq_lens),
-                      softmax_scale=scale, causal=True, window_size=window,
-                      block_table=meta.block_table.to(torch.int32))
+        kwargs = dict(
+            q=query,
+            k=kv_cache[0],
+            v=kv_cache[1],
+            cu_seqlens_q=cu_q,
+            max_seqlen_q=max_q,
+            max_seqlen_k=max(meta.seq_lens),
+            softmax_scale=scale,
+            causal=True,
+            window_size=window,
+            block_table=meta.block_table.to(torch.int32),
+        )
         if self._source == "vllm.vllm_flash_attn":
             kwargs["seqused_k"] = seq_lens
         else:

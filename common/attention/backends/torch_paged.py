@@ -17,8 +17,16 @@ from common.attention.metadata import AttentionMetadata
 class TorchPagedBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None) -> torch.Tensor:
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
         write_kv(kv_cache, key, value, meta.slot_mapping)
         out = torch.empty_like(query)
         nd = meta.num_decodes
@@ -46,33 +54,48 @@ def _prefill(q, k, v, scale, sliding_window):
     num_q, seq_len = q.shape[0], k.shape[0]
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (H, *, D)
     if num_q == seq_len and sliding_window is None:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
-                                             enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True
+        )
     else:
         q_pos = torch.arange(seq_len - num_q, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
         mask = k_pos <= q_pos
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
-                                             enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True
+        )
     return out.transpose(0, 1)
 
 
 def _decode(q, kv_cache, meta: AttentionMetadata, scale, sliding_window):
     """q (B, Hq, D), one query per sequence, at position seq_len - 1."""
     nd = q.shape[0]
-    block_size = kv_cache.shape[2]
-    max_len = max(meta.seq_lens[:nd])
-    num_blocks = -(-max_len // block_size)
-    table = meta.block_table[:nd, :num_blocks]
-    kv = kv_cache[:, table]  # (2, B, nb, bs, H, D)
-    kv = kv.flatten(2, 3)[:, :, :max_len].transpose(2, 3)  # (2, B, H, L, D)
-    lens = meta.seq_lens_tensor[:nd, None]
-    k_pos = torch.arange(max_len, device=q.device)[None, :]
-    mask = k_pos < lens
-    if sliding_window is not None:
-        mask &= k_pos >= lens - sliding_window
-    out = F.scaled_dot_product_attention(q[:, :, None], kv[0], kv[1], attn_mask=mask[:, None, None],
-                                         scale=scale, enable_gqa=True)
+    slots, mask = _decode_plan(meta, nd, kv_cache.shape[2], sliding_window)
+    heads, dim = kv_cache.shape[3:]
+    flat = kv_cache.view(2, -1, heads, dim)
+    k = flat[0].index_select(0, slots.view(-1)).view(nd, -1, heads, dim).transpose(1, 2)
+    v = flat[1].index_select(0, slots.view(-1)).view(nd, -1, heads, dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(  # (B, Hq, 1, D) over (B, Hkv, L, D)
+        q[:, :, None], k, v, attn_mask=mask, scale=scale, enable_gqa=True
+    )
     return out[:, :, 0]
+
+
+def _decode_plan(meta: AttentionMetadata, nd: int, block_size: int, sliding_window: int | None):
+    """Flat cache slots (B, L) of every decode's context and its mask (B, 1, 1, L) or None;
+    computed once per step and shared by all layers."""
+    key = ("decode", sliding_window)
+    if key not in meta.memo:
+        lens = meta.seq_lens_tensor[:nd, None]
+        max_len = max(meta.seq_lens[:nd])
+        pos = torch.arange(max_len, device=lens.device)[None, :]  # (1, L)
+        table = meta.block_table[:nd]
+        slots = table.gather(1, (pos // block_size).expand(nd, -1)) * block_size + pos % block_size
+        mask = pos < lens
+        if sliding_window is not None:
+            mask &= pos >= lens - sliding_window
+        mask = None if bool(mask.all()) else mask[:, None, None]
+        meta.memo[key] = (slots, mask)
+    return meta.memo[key]

@@ -1,0 +1,1 @@
+"""decode_server: see DESIGN.md."""

@@ -1,0 +1,1 @@
+"""prefill_server: see DESIGN.md."""
