@@ -1,6 +1,9 @@
-"""`python -m prefill_server`: the prefill worker. The engine it serves is in common/engine;
-the OpenAI-compatible server arrives with the worker-server issue."""
+"""`python -m prefill_server`: the prefill worker, an OpenAI-compatible server (see --help).
 
-import sys
+Until KV transfer joins, both roles serve requests colocated: prefill and decode on one engine.
+"""
 
-sys.exit("prefill_server: not served yet — the engine runs offline: python -m common.engine PROMPT")
+from common.api.server import main
+
+if __name__ == "__main__":
+    main("prefill")

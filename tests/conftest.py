@@ -20,3 +20,21 @@ def tiny_model(tmp_path_factory):
         return built[name]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def start_server(tmp_path_factory):
+    """start_server(role, *args) → a ready ServerProcess; all are stopped at module end."""
+    from tests.servers import ServerProcess
+
+    started = []
+
+    def start(role: str, *args: str):
+        log = tmp_path_factory.mktemp("logs") / f"{role}.log"
+        server = ServerProcess(role, list(args), log)
+        started.append(server)
+        return server.wait_ready()
+
+    yield start
+    for server in started:
+        server.stop()

@@ -3,6 +3,8 @@ preemption; stops; n > 1; aborts; bad input. Every scenario ends with the pool a
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -159,3 +161,26 @@ def test_invalid_prompts(tiny_model):
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("empty", [])
     assert not engine.has_unfinished_requests() and engine.pool.is_all_free
+
+
+def test_n_children_share_prompt_blocks_and_match_single_requests(tiny_model):
+    llm = LLM(str(tiny_model("llama")), num_blocks=64)
+    engine = llm.engine
+    prompt = prompts()[4]  # 48 tokens: the last block is recomputed by every child
+    params = SamplingParams(n=3, temperature=0.8, seed=11, max_tokens=6, ignore_eos=True)
+    engine.add_request("p", prompt, params)
+    shared = None
+    while engine.has_unfinished_requests():
+        engine.step()
+        children = [r for r in engine.scheduler.running if r.request_id.startswith("p#")]
+        if len(children) == 3 and shared is None:
+            shared = [c.block_ids[:2] for c in children]
+            refs = [b.ref_count for b in children[0].blocks[:2]]
+    assert shared[0] == shared[1] == shared[2] and refs == [3, 3]
+    assert engine.pool.num_used_blocks == 0
+    # each child i samples as a lone request with seed 11 + i would
+    llm2 = LLM(str(tiny_model("llama")), num_blocks=64, enable_prefix_caching=False)
+    together = llm.generate(prompt, params)[0].outputs
+    for i, child in enumerate(together):
+        alone = llm2.generate(prompt, dataclasses.replace(params, n=1, seed=11 + i))[0]
+        assert child.token_ids == alone.outputs[0].token_ids

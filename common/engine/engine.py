@@ -3,7 +3,9 @@
     step: schedule → run the model (prepare, forward, sample) → update requests → outputs
 
 A request with `n > 1` fans out into n child sequences (`<id>#<i>`); its outputs come back
-under the parent id with each child's index.
+under the parent id with each child's index. With prefix caching on, the first child prefills
+alone and its siblings join once the prompt is computed: they share its full prompt blocks
+(ref counts > 1) and recompute only the last, partial block.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self._parents: dict[str, _Parent] = {}
+        self._held: dict[str, list[Request]] = {}  # first child id → siblings not yet scheduled
         self._children: dict[str, tuple[str, int]] = {}
         logger.info(
             "engine ready: %s, %d layers, %d KV blocks of %d tokens, max_model_len %d",
@@ -99,22 +102,24 @@ class LLMEngine:
         params.check_token_ids(self.arch.vocab_size)
         parent = _Parent(text, token_ids)
         for i in range(params.n):
-            child_params = _child_params(params, i)
-            child = Request(
-                f"{request_id}#{i}" if params.n > 1 else request_id,
-                token_ids,
-                child_params,
-                prompt=text,
-            )
+            child_id = f"{request_id}#{i}" if params.n > 1 else request_id
+            child = Request(child_id, token_ids, _child_params(params, i), prompt=text)
             parent.children.append(child)
             self._children[child.request_id] = (request_id, i)
             self.outputs.add_request(child)
-            self.scheduler.add_request(child)
+        first, siblings = parent.children[0], parent.children[1:]
+        self.scheduler.add_request(first)
+        if siblings and self.pool.enable_prefix_caching:
+            self._held[first.request_id] = siblings
+        else:
+            for sibling in siblings:
+                self.scheduler.add_request(sibling)
         self._parents[request_id] = parent
 
     def abort_request(self, request_id: str) -> None:
         parent = self._parents.pop(request_id, None)
         for child in parent.children if parent else []:
+            self._held.pop(child.request_id, None)
             self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
             self.outputs.remove(child.request_id)
             self._children.pop(child.request_id, None)
@@ -129,7 +134,16 @@ class LLMEngine:
             return []
         sampled = self.runner.execute(sched.scheduled)
         changed = self.scheduler.update(sched, sampled)
+        self._release_siblings()
         return self._make_outputs(changed)
+
+    def _release_siblings(self) -> None:
+        """Schedule the siblings of first children whose prompt is now computed (and cached)."""
+        for first_id in list(self._held):
+            first = self._parents[self._children[first_id][0]].children[0]
+            if first.num_output_tokens > 0 or first.is_finished:
+                for sibling in self._held.pop(first_id):
+                    self.scheduler.add_request(sibling)
 
     def _make_outputs(self, changed: list[Request]) -> list[RequestOutput]:
         by_parent: dict[str, RequestOutput] = {}

@@ -44,6 +44,11 @@ class FlashAttentionBackend(AttentionBackend):
             return f"dtype is {dtype}, flash needs float16 or bfloat16"
         if block_size % 16:
             return f"block size {block_size} is not a multiple of 16"
+        if not torch.cuda.is_available():
+            return "torch sees no CUDA device"
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:  # NOTE: FlashAttention-2 kernels exist for Ampere (sm80) and newer only
+            return f"GPU compute capability is {major}.{minor}, flash needs 8.0 or newer"
         fn, why = _import_flash()
         return None if fn is not None else why
 

@@ -1,0 +1,208 @@
+"""The FastAPI app both workers serve: OpenAI routes, health, metrics, errors, draining.
+
+The app listens at once and loads the engine in the background: until it is ready (and again
+while draining) every request but `/metrics` answers 503. Errors of every kind leave in OpenAI's
+shape; request ids from `X-Request-Id` are honoured and echoed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from common.api.cli import ServerConfig
+from common.api.errors import (
+    APIError,
+    InvalidRequestError,
+    NotFoundError,
+    PayloadTooLargeError,
+    ServerError,
+    UnavailableError,
+)
+from common.api.metrics import ServerMetrics
+from common.engine.async_engine import AsyncEngine
+from common.engine.engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+class ServerState:
+    """What the routes share: config, metrics, and the engine once it has loaded."""
+
+    def __init__(self, cfg: ServerConfig, engine_factory: Callable[[], LLMEngine]):
+        self.cfg = cfg
+        self.engine_factory = engine_factory
+        self.metrics = ServerMetrics(cfg.role)
+        self.engine: AsyncEngine | None = None
+        self.model_name = cfg.served_model_name or "starting"
+        self.load_error: BaseException | None = None
+        self.is_draining = False
+        self.started_at = int(time.time())
+
+    @property
+    def is_ready(self) -> bool:
+        return self.engine is not None and self.engine.is_alive and not self.is_draining
+
+    def require_ready(self) -> AsyncEngine:
+        if self.is_draining:
+            raise UnavailableError(
+                "the server is draining and takes no new requests", headers={"Retry-After": "1"}
+            )
+        if self.engine is None:
+            why = f"failed to load: {self.load_error}" if self.load_error else "is starting"
+            raise UnavailableError(f"the engine {why}", headers={"Retry-After": "5"})
+        if not self.engine.is_alive:
+            raise UnavailableError(f"the engine is not running: {self.engine.error!r}")
+        return self.engine
+
+    async def load(self) -> None:
+        try:
+            engine = await asyncio.to_thread(self.engine_factory)
+        except Exception as e:  # noqa: BLE001 — reported by /health and every request
+            logger.exception("engine failed to load")
+            self.load_error = e
+            return
+        if self.cfg.served_model_name is None:
+            self.model_name = Path(engine.config.model.model_dir).name
+        self.engine = AsyncEngine(engine)
+        self.engine.start()
+        logger.info("%s worker ready: model %s", self.cfg.role, self.model_name)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise NotFoundError(
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+
+def build_app(cfg: ServerConfig, engine_factory: Callable[[], LLMEngine]) -> FastAPI:
+    state = ServerState(cfg, engine_factory)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loading = asyncio.create_task(state.load())
+        yield
+        state.is_draining = True
+        loading.cancel()
+        if state.engine is not None:
+            await state.engine.stop()
+
+    app = FastAPI(title=f"pdserve {cfg.role} worker", lifespan=lifespan)
+    app.state.server = state
+    _install_error_handlers(app)
+    _install_request_ids(app, state)
+    _install_basic_routes(app, state)
+    from common.api.routes import install_openai_routes
+
+    install_openai_routes(app, state)
+    return app
+
+
+async def read_json_body(request: Request, limit: int) -> dict:
+    """The request's JSON object; 413 past `limit` bytes, 400 for anything not a JSON object."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise PayloadTooLargeError(f"request body is {length} bytes; the limit is {limit}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
+    try:
+        data = json.loads(bytes(body).decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise InvalidRequestError(f"request body is not UTF-8: {e}") from e
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"request body is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise InvalidRequestError("request body must be a JSON object")
+    return data
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(
+        err.to_response().model_dump(), status_code=int(err.status_code), headers=err.headers
+    )
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return error_response(InvalidRequestError(first.get("msg", "invalid request"), param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        err = (
+            NotFoundError(f"no route {request.method} {request.url.path}")
+            if exc.status_code == 404
+            else InvalidRequestError(str(exc.detail))
+        )
+        err.status_code = exc.status_code
+        return error_response(err)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return error_response(ServerError(f"internal error: {type(exc).__name__}"))
+
+
+def _install_request_ids(app: FastAPI, state: ServerState) -> None:
+    @app.middleware("http")
+    async def request_id(request: Request, call_next):
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request.state.request_id = rid
+        response = await call_next(request)
+        response.headers["X-Request-Id"] = rid
+        endpoint = request.url.path
+        if endpoint.startswith("/v1/"):
+            state.metrics.count(endpoint, response.status_code)
+        return response
+
+
+def _install_basic_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health():
+        state.require_ready()
+        return {"status": "ok", "role": state.cfg.role}
+
+    @app.get("/metrics")
+    async def metrics():
+        stats = state.engine.stats if state.engine is not None else None
+        return Response(
+            state.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    @app.get("/v1/models")
+    async def models():
+        engine = state.require_ready()
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": state.started_at,
+                    "owned_by": "pdserve",
+                    "max_model_len": engine.engine.max_model_len,
+                }
+            ],
+        }

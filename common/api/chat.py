@@ -1,0 +1,147 @@
+"""POST /v1/chat/completions: messages → the chat template → one prompt with n choices."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from common.api.app import ServerState
+from common.api.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    UsageInfo,
+    chat_logprobs,
+)
+from common.api.serving import (
+    Job,
+    admit,
+    collect,
+    new_request_id,
+    run_jobs,
+    sse,
+    sse_error,
+    validate_params,
+)
+
+
+async def create_chat_completion(
+    state: ServerState, request: Request, req: ChatCompletionRequest
+) -> Response:
+    engine = state.require_ready()
+    state.check_model(req.model)
+    llm = engine.engine
+    ids = llm.tokenizer.encode(req.render_prompt(llm.tokenizer), add_special_tokens=False)
+    params = req.to_sampling_params(llm.max_model_len - len(ids))
+    validate_params(params, llm.arch.vocab_size)
+    job = Job(new_request_id(request), ids, params, choice_offset=0)
+    admit(state, engine, 1)
+    response_id = f"chatcmpl-{request.state.request_id}"
+    outputs = run_jobs(state, engine, [job])
+    if req.stream:
+        return StreamingResponse(
+            _stream(state, req, response_id, job, outputs), media_type="text/event-stream"
+        )
+    items = await collect(request, outputs)
+    if items is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    return JSONResponse(_response(state, req, response_id, job, items))
+
+
+def _response(
+    state: ServerState, req: ChatCompletionRequest, response_id: str, job: Job, items: list
+) -> dict:
+    tokenizer = state.engine.engine.tokenizer
+    finals = {c.index: c for _, out in items for c in out.outputs}
+    choices = [
+        ChatChoice(
+            index=i,
+            message=ChatResponseMessage(content=c.text),
+            logprobs=chat_logprobs(tokenizer, c.logprobs) if req.logprobs else None,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            token_ids=c.token_ids if req.return_token_ids else None,
+        )
+        for i, c in sorted(finals.items())
+    ]
+    body = ChatCompletionResponse(
+        id=response_id,
+        model=state.model_name,
+        choices=choices,
+        usage=_usage(job, sum(len(c.token_ids) for c in finals.values())),
+        prompt_token_ids=job.prompt_token_ids if req.return_token_ids else None,
+    )
+    return body.model_dump(exclude_none=True)
+
+
+async def _stream(
+    state: ServerState,
+    req: ChatCompletionRequest,
+    response_id: str,
+    job: Job,
+    outputs: AsyncIterator,
+) -> AsyncIterator[str]:
+    tokenizer = state.engine.engine.tokenizer
+    started: set[int] = set()
+    num_tokens = 0
+
+    def chunk(choice: ChatStreamChoice, **extra) -> str:
+        body = ChatCompletionStreamResponse(
+            id=response_id, model=state.model_name, choices=[choice], **extra
+        )
+        return sse(body.model_dump_json(exclude_none=True))
+
+    try:
+        async for _, out in outputs:
+            for c in out.outputs:
+                if c.index not in started:  # OpenAI: the role comes first, alone
+                    started.add(c.index)
+                    prompt_ids = job.prompt_token_ids if req.return_token_ids else None
+                    yield chunk(
+                        ChatStreamChoice(
+                            index=c.index, delta=DeltaMessage(role="assistant", content="")
+                        ),
+                        prompt_token_ids=prompt_ids if len(started) == 1 else None,
+                    )
+                if not (c.delta_text or c.delta_token_ids or c.finish_reason):
+                    continue
+                num_tokens += len(c.delta_token_ids)
+                new = (
+                    c.logprobs[len(c.logprobs) - len(c.delta_token_ids) :]
+                    if (c.logprobs is not None and c.delta_token_ids)
+                    else []
+                )
+                yield chunk(
+                    ChatStreamChoice(
+                        index=c.index,
+                        delta=DeltaMessage(content=c.delta_text or None),
+                        logprobs=chat_logprobs(tokenizer, new) if req.logprobs else None,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                        token_ids=c.delta_token_ids if req.return_token_ids else None,
+                    )
+                )
+        if req.stream_options and req.stream_options.include_usage:
+            body = ChatCompletionStreamResponse(
+                id=response_id, model=state.model_name, choices=[], usage=_usage(job, num_tokens)
+            )
+            yield sse(body.model_dump_json(exclude_none=True))
+    except Exception as e:  # noqa: BLE001 — the status is sent: report in the stream
+        yield sse_error(e)
+    finally:
+        await outputs.aclose()
+    yield "data: [DONE]\n\n"
+
+
+def _usage(job: Job, completion_tokens: int) -> UsageInfo:
+    return UsageInfo.from_counts(
+        prompt_tokens=len(job.prompt_token_ids),
+        completion_tokens=completion_tokens,
+        cached_tokens=job.num_cached_tokens,
+    )

@@ -1,0 +1,164 @@
+"""The one place the workers' command line becomes configuration.
+
+`parse_args(role, argv)` returns the engine's `EngineConfig` and the server's `ServerConfig`;
+`--help` explains every flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+
+from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+DEFAULT_PORTS = {"prefill": 8100, "decode": 8200}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    role: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # None: the model folder's name
+    max_waiting: int = 1024
+    max_body_bytes: int = 4 << 20
+    drain_timeout: float = 30.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+
+
+def parse_size(text: str) -> int:
+    """'1073741824', '512MiB', '2GiB', '1.5GB' → bytes."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MiB, 1000000)")
+    value, unit, binary = float(m[1]), m[2].upper(), m[3]
+    base = 1024 if binary or not unit else 1000
+    return int(value * base ** "_KMGT".index(unit or "_"))
+
+
+def build_parser(role: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=f"python -m {role}_server",
+        description=f"The {role} worker: an OpenAI-compatible server.",
+    )
+    add = p.add_argument
+    add(
+        "--model",
+        default=None,
+        help="HF-format model folder (default: the built-in "
+        "SmolLM2-135M-Instruct, prepared on first use)",
+    )
+    add(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send (default: the model folder's name)",
+    )
+    add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    add("--port", type=int, default=DEFAULT_PORTS[role], help="port (default %(default)s)")
+    add("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
+    add(
+        "--dtype",
+        default="auto",
+        help="auto (fp32 on CPU, bf16 on CUDA), float32, float16, bfloat16",
+    )
+    add("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    add(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output in tokens (default: the model's limit)",
+    )
+    add("--max-num-seqs", type=int, default=256, help="most requests in one batch")
+    add(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget of one step (prefills are chunked to it)",
+    )
+    add(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV blocks in the pool (wins over --kv-cache-memory)",
+    )
+    add(
+        "--kv-cache-memory",
+        type=parse_size,
+        default=1 << 30,
+        help="KV cache budget, e.g. 2GiB (default 1GiB)",
+    )
+    add("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    add(
+        "--attention-backend",
+        default=None,
+        choices=["torch", "flash"],
+        help="force an attention backend (default: flash when it fits, else torch)",
+    )
+    add("--seed", type=int, default=0, help="seed of the engine's global RNG")
+    add(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        help="answer 429 when this many requests already wait",
+    )
+    add(
+        "--max-body-bytes",
+        type=parse_size,
+        default=4 << 20,
+        help="answer 413 above this request body size (default 4MiB)",
+    )
+    add(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests get to finish before they are aborted",
+    )
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfig]:
+    parser = build_parser(role)
+    a = parser.parse_args(argv)
+    try:
+        engine = EngineConfig(
+            model=ModelConfig(
+                model=a.model,
+                device=a.device,
+                dtype=a.dtype,
+                max_model_len=a.max_model_len,
+                attention_backend=a.attention_backend,
+                seed=a.seed,
+            ),
+            cache=CacheConfig(
+                block_size=a.block_size,
+                num_blocks=a.num_blocks,
+                kv_cache_memory=a.kv_cache_memory,
+                enable_prefix_caching=not a.no_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens
+            ),
+        )
+        server = ServerConfig(
+            role=role,
+            host=a.host,
+            port=a.port,
+            served_model_name=a.served_model_name,
+            max_waiting=a.max_waiting,
+            max_body_bytes=a.max_body_bytes,
+            drain_timeout=a.drain_timeout,
+            log_level=a.log_level,
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    return engine, server

@@ -1,0 +1,153 @@
+"""POST /v1/completions: prompts (text or token ids, one or a batch) → completions.
+
+Choice indices follow OpenAI: prompt i's j-th sample is choice `i * n + j`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from common.api.app import ServerState
+from common.api.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+    completion_logprobs,
+)
+from common.api.serving import (
+    Job,
+    admit,
+    check_token_ids,
+    collect,
+    new_request_id,
+    run_jobs,
+    sse,
+    sse_error,
+    validate_params,
+)
+
+
+async def create_completion(
+    state: ServerState, request: Request, req: CompletionRequest
+) -> Response:
+    engine = state.require_ready()
+    state.check_model(req.model)
+    llm = engine.engine
+    jobs = []
+    for i, prompt in enumerate(req.prompts):
+        ids = llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        check_token_ids(ids, llm.arch.vocab_size, "prompt")
+        params = req.to_sampling_params(llm.max_model_len - len(ids))
+        validate_params(params, llm.arch.vocab_size)
+        jobs.append(Job(new_request_id(request), ids, params, choice_offset=i * req.n))
+    admit(state, engine, len(jobs))
+    response_id = f"cmpl-{request.state.request_id}"
+    outputs = run_jobs(state, engine, jobs)
+    if req.stream:
+        return StreamingResponse(
+            _stream(state, req, response_id, jobs, outputs), media_type="text/event-stream"
+        )
+    items = await collect(request, outputs)
+    if items is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    return JSONResponse(_response(state, req, response_id, jobs, items))
+
+
+def _response(
+    state: ServerState, req: CompletionRequest, response_id: str, jobs: list[Job], items: list
+) -> dict:
+    tokenizer = state.engine.engine.tokenizer
+    finals = {}
+    for job, out in items:
+        for c in out.outputs:
+            finals[job.choice_offset + c.index] = (job, c)
+    choices = []
+    for index in sorted(finals):
+        job, c = finals[index]
+        logprobs = (
+            completion_logprobs(tokenizer, c.logprobs, 0) if req.logprobs is not None else None
+        )
+        choices.append(
+            CompletionChoice(
+                index=index,
+                text=c.text,
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                prompt_token_ids=job.prompt_token_ids if req.return_token_ids else None,
+                token_ids=c.token_ids if req.return_token_ids else None,
+            )
+        )
+    usage = _usage(jobs, sum(len(c.token_ids) for _, c in finals.values()))
+    body = CompletionResponse(id=response_id, model=state.model_name, choices=choices, usage=usage)
+    return body.model_dump(exclude_none=True)
+
+
+async def _stream(
+    state: ServerState,
+    req: CompletionRequest,
+    response_id: str,
+    jobs: list[Job],
+    outputs: AsyncIterator,
+) -> AsyncIterator[str]:
+    tokenizer = state.engine.engine.tokenizer
+    num_chars: dict[int, int] = {}
+    num_tokens = 0
+    try:
+        async for job, out in outputs:
+            for c in out.outputs:
+                if not (c.delta_text or c.delta_token_ids or c.finish_reason):
+                    continue
+                index = job.choice_offset + c.index
+                first = index not in num_chars
+                new_tokens = (
+                    c.logprobs[len(c.logprobs) - len(c.delta_token_ids) :]
+                    if (c.logprobs is not None and c.delta_token_ids)
+                    else []
+                )
+                logprobs = (
+                    completion_logprobs(tokenizer, new_tokens, num_chars.get(index, 0))
+                    if req.logprobs is not None
+                    else None
+                )
+                num_chars[index] = num_chars.get(index, 0) + len(c.delta_text)
+                num_tokens += len(c.delta_token_ids)
+                choice = CompletionStreamChoice(
+                    index=index,
+                    text=c.delta_text,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    prompt_token_ids=(
+                        job.prompt_token_ids if req.return_token_ids and first else None
+                    ),
+                    token_ids=c.delta_token_ids if req.return_token_ids else None,
+                )
+                chunk = CompletionStreamResponse(
+                    id=response_id, model=state.model_name, choices=[choice]
+                )
+                yield sse(chunk.model_dump_json(exclude_none=True))
+        if req.stream_options and req.stream_options.include_usage:
+            chunk = CompletionStreamResponse(
+                id=response_id, model=state.model_name, choices=[], usage=_usage(jobs, num_tokens)
+            )
+            yield sse(chunk.model_dump_json(exclude_none=True))
+    except Exception as e:  # noqa: BLE001 — the status is sent: report in the stream
+        yield sse_error(e)
+    finally:
+        await outputs.aclose()
+    yield "data: [DONE]\n\n"
+
+
+def _usage(jobs: list[Job], completion_tokens: int) -> UsageInfo:
+    return UsageInfo.from_counts(
+        prompt_tokens=sum(len(j.prompt_token_ids) for j in jobs),
+        completion_tokens=completion_tokens,
+        cached_tokens=sum(j.num_cached_tokens for j in jobs),
+    )

@@ -1,0 +1,99 @@
+"""Prometheus metrics of one server, in its own registry (so tests can run several apps).
+
+Counters and histograms are recorded as requests run; the engine's gauges (running, waiting,
+KV blocks, prefix-cache hit rate) are read from the engine's last stats at scrape time.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from common.engine.async_engine import EngineStats
+
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
+class ServerMetrics:
+    def __init__(self, role: str):
+        self.registry = r = CollectorRegistry()
+        labels = {"role": role}
+        self.requests = Counter(
+            "pdserve_requests",
+            "Finished HTTP requests by status code",
+            ["role", "endpoint", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve_inter_token_latency_seconds",
+            "Time between output tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds",
+            "Request latency, end to end",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter(
+            "pdserve_generation_tokens", "Generated tokens", registry=r
+        )
+        self.running = Gauge(
+            "pdserve_num_requests_running", "Requests in the running batch", registry=r
+        )
+        self.waiting = Gauge(
+            "pdserve_num_requests_waiting", "Requests waiting to be scheduled", registry=r
+        )
+        self.blocks_used = Gauge(
+            "pdserve_kv_blocks_used", "KV blocks referenced by requests", registry=r
+        )
+        self.blocks_free = Gauge(
+            "pdserve_kv_blocks_free", "KV blocks allocatable now (empty or evictable)", registry=r
+        )
+        self.hit_rate = Gauge(
+            "pdserve_prefix_cache_hit_rate",
+            "Prefix-cache hits / queries (full blocks), since start",
+            registry=r,
+        )
+        self.preemptions = Gauge("pdserve_num_preemptions", "Preemptions since start", registry=r)
+        self.info = Gauge("pdserve_info", "Server role", ["role"], registry=r)
+        self.info.labels(**labels).set(1)
+        self.role = role
+
+    def count(self, endpoint: str, status: int) -> None:
+        self.requests.labels(role=self.role, endpoint=endpoint, status=str(status)).inc()
+
+    def render(self, stats: EngineStats | None) -> bytes:
+        if stats is not None:
+            self.running.set(stats.num_running)
+            self.waiting.set(stats.num_waiting)
+            self.blocks_used.set(stats.num_blocks_used)
+            self.blocks_free.set(stats.num_blocks_free)
+            queries = stats.prefix_cache_queries
+            self.hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0)
+            self.preemptions.set(stats.num_preemptions)
+        return generate_latest(self.registry)

@@ -1,0 +1,26 @@
+"""The OpenAI generation routes: parse the body ourselves (413 / 400 in OpenAI's shape), then
+hand over to the completions or chat handler."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+
+from common.api.app import ServerState, read_json_body
+from common.api.chat import create_chat_completion
+from common.api.completions import create_completion
+from common.api.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+
+
+def install_openai_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        state.require_ready()
+        body = await read_json_body(request, state.cfg.max_body_bytes)
+        return await create_completion(state, request, parse_request(CompletionRequest, body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        state.require_ready()
+        body = await read_json_body(request, state.cfg.max_body_bytes)
+        req = parse_request(ChatCompletionRequest, body)
+        return await create_chat_completion(state, request, req)

@@ -1,0 +1,44 @@
+"""Run a worker: parse the command line, build the app, serve it with uvicorn.
+
+SIGTERM (or Ctrl-C) drains: new requests get 503, in-flight ones get `--drain-timeout` seconds
+to finish and are then aborted (their blocks freed), and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import uvicorn
+
+from common.api.app import build_app
+from common.api.cli import parse_args
+from common.engine.engine import LLMEngine
+
+
+def main(role: str, argv: list[str] | None = None) -> None:
+    engine_cfg, server_cfg = parse_args(role, argv)
+    logging.basicConfig(
+        level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = build_app(server_cfg, lambda: LLMEngine(engine_cfg))
+    config = uvicorn.Config(
+        app,
+        host=server_cfg.host,
+        port=server_cfg.port,
+        log_level=server_cfg.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=server_cfg.drain_timeout,
+    )
+    server = uvicorn.Server(config)
+
+    def drain(sig, frame) -> None:
+        # NOTE: uvicorn's own handler re-raises the signal after shutdown (exit status -15);
+        # a drained worker exits 0. A second Ctrl-C still forces the exit.
+        app.state.server.is_draining = True
+        if server.should_exit and sig == signal.SIGINT:
+            server.force_exit = True
+        server.should_exit = True
+
+    server.handle_exit = drain
+    server.run()

@@ -1,0 +1,167 @@
+"""What both OpenAI endpoints share: admission, running engine requests, timing, disconnects.
+
+An HTTP request becomes one or more `Job`s (one per prompt; each may have n choices). `run_jobs`
+merges their engine outputs into one stream of `(job, output)`; leaving it early — a client
+that went away, an error — aborts every job, so their blocks go back to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from common.api.app import ServerState
+from common.api.errors import APIError, InvalidRequestError, OverloadedError, ServerError
+from common.engine.async_engine import AsyncEngine
+from common.engine.output import RequestOutput
+from common.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Job:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    choice_offset: int  # choice index of this job's first sample
+    num_cached_tokens: int = 0
+    arrival: float = field(default_factory=time.perf_counter)
+    last_token_at: float | None = None
+    num_output_tokens: int = 0
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"token ids must be in [0, {vocab_size}); got {bad[:5]}", param=param
+        )
+
+
+def admit(state: ServerState, engine: AsyncEngine, num_jobs: int) -> None:
+    if engine.num_waiting + num_jobs > state.cfg.max_waiting:
+        raise OverloadedError(
+            f"the server is overloaded: {engine.num_waiting} requests are waiting "
+            f"(limit {state.cfg.max_waiting}); retry later",
+            headers={"Retry-After": "1"},
+        )
+
+
+def new_request_id(request: Request) -> str:
+    """Unique engine id; the client's X-Request-Id (echoed as is) prefixes it."""
+    return f"{request.state.request_id}-{uuid.uuid4().hex[:8]}"
+
+
+async def run_jobs(
+    state: ServerState, engine: AsyncEngine, jobs: list[Job]
+) -> AsyncIterator[tuple[Job, RequestOutput]]:
+    if len(jobs) == 1:
+        async with aclosing(_one(state, engine, jobs[0])) as outputs:
+            async for item in outputs:
+                yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(job: Job) -> None:
+        try:
+            async with aclosing(_one(state, engine, job)) as outputs:
+                async for item in outputs:
+                    queue.put_nowait(item)
+        except BaseException as e:  # noqa: BLE001 — re-raised by the consumer
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(job)  # done marker
+
+    tasks = [asyncio.create_task(pump(job)) for job in jobs]
+    try:
+        remaining = len(jobs)
+        while remaining:
+            item = await queue.get()
+            if isinstance(item, Job):
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _one(
+    state: ServerState, engine: AsyncEngine, job: Job
+) -> AsyncIterator[tuple[Job, RequestOutput]]:
+    m = state.metrics
+    async with aclosing(engine.generate(job.request_id, job.prompt_token_ids, job.params)) as gen:
+        async for out in gen:
+            now = time.perf_counter()
+            new = sum(len(c.delta_token_ids) for c in out.outputs)
+            if new:
+                if job.last_token_at is None:
+                    m.ttft.observe(now - job.arrival)
+                else:
+                    m.itl.observe(now - job.last_token_at)
+                job.last_token_at = now
+                job.num_output_tokens += new
+            job.num_cached_tokens = out.num_cached_tokens
+            if out.finished:
+                m.e2e.observe(now - job.arrival)
+                m.prompt_tokens.inc(len(job.prompt_token_ids))
+                m.generation_tokens.inc(job.num_output_tokens)
+            yield job, out
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+def sse_error(error: BaseException) -> str:
+    """An error event inside a stream whose 200 status has already been sent."""
+    if isinstance(error, ValueError):
+        error = InvalidRequestError(str(error))
+    elif not isinstance(error, APIError):
+        error = ServerError(f"{type(error).__name__}: {error}")
+    return sse(error.to_response().model_dump_json())
+
+
+def validate_params(params: SamplingParams, vocab_size: int, max_n: int = 128) -> None:
+    if params.n > max_n:
+        raise InvalidRequestError(f"n must be at most {max_n}, got {params.n}", param="n")
+    try:
+        params.check_token_ids(vocab_size)
+    except ValueError as e:
+        raise InvalidRequestError(str(e), param="stop_token_ids") from e
+
+
+async def collect(request: Request, outputs: AsyncIterator) -> list | None:
+    """Every item of `outputs`; None (and `outputs` closed, its requests aborted) if the client
+    disconnects first."""
+    items: list = []
+
+    async def consume() -> None:
+        async with aclosing(outputs) as it:
+            async for item in it:
+                items.append(item)
+
+    consumer = asyncio.create_task(consume())
+    watcher = asyncio.create_task(until_disconnected(request))
+    await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if not consumer.done():
+        consumer.cancel()
+        await asyncio.gather(consumer, return_exceptions=True)
+        return None
+    consumer.result()
+    return items
+
+
+async def until_disconnected(request: Request, interval: float = 0.25) -> None:
+    """Returns when the client has gone away (for non-streamed requests)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(interval)

@@ -1,0 +1,180 @@
+"""The engine on its own thread, for asyncio servers.
+
+The engine thread owns the `LLMEngine`: it takes commands (add, abort) from a queue, steps while
+there is work and sleeps on an event when there is none, so the event loop never runs a model
+forward. Outputs go back to each request's asyncio queue, one loop callback per step.
+
+    async for out in engine.generate(request_id, prompt_token_ids, params): ...
+
+Leaving the `async for` early (a client that went away) aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from common.engine.engine import LLMEngine
+from common.engine.output import RequestOutput
+from common.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; no request can be served."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks_used: int = 0
+    num_blocks_free: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: deque[Callable[[], None]] = deque()
+        self._wake = threading.Event()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.stats = EngineStats()
+        self._num_pending = 0  # added, not yet seen by the scheduler
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def num_waiting(self) -> int:
+        return self.stats.num_waiting + self._num_pending
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._queues)
+
+    # -- requests ----------------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request until it finishes; ValueError for bad input."""
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine is not running ({self.error!r})")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            self._num_pending += 1
+            added = self._call(self._add, request_id, prompt, params)
+            await asyncio.wrap_future(added)
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._submit(lambda: self.engine.abort_request(request_id))
+
+    def call(self, fn: Callable, *args) -> Future:
+        """Run `fn(*args)` on the engine thread between steps (e.g. to read engine state)."""
+        return self._call(fn, *args)
+
+    # -- the engine thread ------------------------------------------------------------------------
+    def _call(self, fn: Callable, *args) -> Future:
+        fut: Future = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 — handed to the awaiting caller
+                fut.set_exception(e)
+
+        self._submit(run)
+        return fut
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.append(command)
+        self._wake.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_commands()
+                if self.engine.has_unfinished_requests():
+                    self._publish(self.engine.step())
+                else:
+                    self._wake.wait()
+                    self._wake.clear()
+        except BaseException as e:  # noqa: BLE001 — every waiting request must hear of it
+            logger.exception("engine thread failed")
+            self.error = e
+            dead = EngineDeadError(f"engine failed: {e!r}")
+            self._loop.call_soon_threadsafe(self._fail_all, dead)
+
+    def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        self._num_pending -= 1
+        self.engine.add_request(request_id, prompt, params)
+
+    def _drain_commands(self) -> None:
+        while self._commands:
+            command = self._commands.popleft()
+            command()
+        self._refresh_stats()
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        self._refresh_stats()
+        if outputs:
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
+    def _refresh_stats(self) -> None:
+        sched, pool = self.engine.scheduler, self.engine.pool
+        self.stats = EngineStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_blocks_used=pool.num_used_blocks,
+            num_blocks_free=pool.num_free_blocks,
+            prefix_cache_queries=pool.num_queries,
+            prefix_cache_hits=pool.num_hits,
+            num_preemptions=sched.num_preemptions,
+        )
