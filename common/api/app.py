@@ -67,16 +67,16 @@ class ServerState:
         return self.engine
 
     async def load(self) -> None:
+        engine = AsyncEngine(self.engine_factory)
         try:
-            engine = await asyncio.to_thread(self.engine_factory)
+            await engine.start()
         except Exception as e:  # noqa: BLE001 — reported by /health and every request
             logger.exception("engine failed to load")
             self.load_error = e
             return
         if self.cfg.served_model_name is None:
-            self.model_name = Path(engine.config.model.model_dir).name
-        self.engine = AsyncEngine(engine)
-        self.engine.start()
+            self.model_name = Path(engine.engine.config.model.model_dir).name
+        self.engine = engine
         logger.info("%s worker ready: model %s", self.cfg.role, self.model_name)
 
     def check_model(self, model: str | None) -> None:
