@@ -6,6 +6,7 @@ one place. Derived values are properties.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,7 +86,31 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class TransferConfig:
+    """KV transfer between workers. `connector=None`: none (colocated serving only)."""
+
+    connector: str | None = None  # "nixl"
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    advertise_host: str = "127.0.0.1"  # where peers reach this worker's HTTP port
+    advertise_port: int = 0
+    lease_timeout: float = 60.0  # P: seconds a remote reader gets before held blocks are freed
+    load_timeout: float = 30.0  # D: seconds a remote read may take before it counts as failed
+    failure_policy: str = "recompute"  # D: when KV does not arrive: "fail" or "recompute"
+
+    def __post_init__(self) -> None:
+        if self.connector not in (None, "nixl"):
+            raise ValueError(f"kv_connector must be nixl or none, got {self.connector!r}")
+        if self.failure_policy not in ("fail", "recompute"):
+            raise ValueError(
+                f"kv_load_failure_policy must be fail or recompute, got {self.failure_policy!r}"
+            )
+        if self.lease_timeout <= 0 or self.load_timeout <= 0:
+            raise ValueError("kv lease and load timeouts must be > 0 seconds")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)

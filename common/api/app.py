@@ -105,9 +105,11 @@ def build_app(cfg: ServerConfig, engine_factory: Callable[[], LLMEngine]) -> Fas
     _install_error_handlers(app)
     _install_request_ids(app, state)
     _install_basic_routes(app, state)
+    from common.api.internal import install_internal_routes
     from common.api.routes import install_openai_routes
 
     install_openai_routes(app, state)
+    install_internal_routes(app, state)
     return app
 
 

@@ -23,7 +23,9 @@ from common.api.serving import (
     Job,
     admit,
     collect,
+    final_kv_params,
     new_request_id,
+    resolve_kv_params,
     run_jobs,
     sse,
     sse_error,
@@ -41,6 +43,7 @@ async def create_chat_completion(
     params = req.to_sampling_params(llm.max_model_len - len(ids))
     validate_params(params, llm.arch.vocab_size)
     job = Job(new_request_id(request), ids, params, choice_offset=0)
+    job.kv_transfer_params = await resolve_kv_params(state, req.kv_transfer_params)
     admit(state, engine, 1)
     response_id = f"chatcmpl-{request.state.request_id}"
     outputs = run_jobs(state, engine, [job])
@@ -76,6 +79,7 @@ def _response(
         choices=choices,
         usage=_usage(job, sum(len(c.token_ids) for c in finals.values())),
         prompt_token_ids=job.prompt_token_ids if req.return_token_ids else None,
+        kv_transfer_params=final_kv_params(items),
     )
     return body.model_dump(exclude_none=True)
 

@@ -10,7 +10,13 @@ import argparse
 import re
 from dataclasses import dataclass
 
-from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from common.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    TransferConfig,
+)
 
 DEFAULT_PORTS = {"prefill": 8100, "decode": 8200}
 
@@ -122,6 +128,37 @@ def build_parser(role: str) -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM, seconds in-flight requests get to finish before they are aborted",
     )
+    add(
+        "--kv-connector",
+        default="nixl",
+        choices=["nixl", "none"],
+        help="how KV moves "
+        "between prefill and decode workers (default nixl; none: colocated serving only)",
+    )
+    add(
+        "--kv-host",
+        default=None,
+        help="the address peers use to reach this worker (default: --host)",
+    )
+    add(
+        "--kv-lease-timeout",
+        type=float,
+        default=60.0,
+        help="prefill: seconds a decode worker "
+        "gets to read a request's KV before its blocks are freed",
+    )
+    add(
+        "--kv-load-timeout",
+        type=float,
+        default=30.0,
+        help="decode: seconds a KV read may take before it counts as failed",
+    )
+    add(
+        "--kv-load-failure-policy",
+        default="recompute",
+        choices=["fail", "recompute"],
+        help="decode: when KV does not arrive, fail the request or compute the prompt locally",
+    )
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -144,6 +181,14 @@ def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, 
                 num_blocks=a.num_blocks,
                 kv_cache_memory=a.kv_cache_memory,
                 enable_prefix_caching=not a.no_prefix_caching,
+            ),
+            transfer=TransferConfig(
+                connector=None if a.kv_connector == "none" else a.kv_connector,
+                advertise_host=a.kv_host or a.host,
+                advertise_port=a.port,
+                lease_timeout=a.kv_lease_timeout,
+                load_timeout=a.kv_load_timeout,
+                failure_policy=a.kv_load_failure_policy,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens

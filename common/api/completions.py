@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.api.app import ServerState
+from common.api.errors import InvalidRequestError
 from common.api.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -25,7 +26,9 @@ from common.api.serving import (
     admit,
     check_token_ids,
     collect,
+    final_kv_params,
     new_request_id,
+    resolve_kv_params,
     run_jobs,
     sse,
     sse_error,
@@ -46,6 +49,11 @@ async def create_completion(
         params = req.to_sampling_params(llm.max_model_len - len(ids))
         validate_params(params, llm.arch.vocab_size)
         jobs.append(Job(new_request_id(request), ids, params, choice_offset=i * req.n))
+    if req.kv_transfer_params is not None and len(jobs) > 1:
+        raise InvalidRequestError(
+            "kv_transfer_params need a single prompt", param="kv_transfer_params"
+        )
+    jobs[0].kv_transfer_params = await resolve_kv_params(state, req.kv_transfer_params)
     admit(state, engine, len(jobs))
     response_id = f"cmpl-{request.state.request_id}"
     outputs = run_jobs(state, engine, jobs)
@@ -85,7 +93,13 @@ def _response(
             )
         )
     usage = _usage(jobs, sum(len(c.token_ids) for _, c in finals.values()))
-    body = CompletionResponse(id=response_id, model=state.model_name, choices=choices, usage=usage)
+    body = CompletionResponse(
+        id=response_id,
+        model=state.model_name,
+        choices=choices,
+        usage=usage,
+        kv_transfer_params=final_kv_params(items),
+    )
     return body.model_dump(exclude_none=True)
 
 

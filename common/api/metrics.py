@@ -80,6 +80,20 @@ class ServerMetrics:
             registry=r,
         )
         self.preemptions = Gauge("pdserve_num_preemptions", "Preemptions since start", registry=r)
+        self.transfer_counters = {
+            name: Counter(f"pdserve_{name}", doc, registry=r)
+            for name, doc in (
+                ("kv_transfers", "KV loads from a prefill worker (one per request)"),
+                ("kv_transfer_failures", "KV loads that failed or timed out"),
+                ("kv_transfer_bytes", "Bytes of KV loaded over NIXL"),
+                ("kv_transfer_seconds", "Seconds from the first read issued to the load done"),
+                ("kv_transfer_descriptors", "NIXL descriptors in KV loads (before merging)"),
+                ("kv_lease_expiries", "Held prefill blocks freed because their lease expired"),
+            )
+        }
+        self.blocks_held = Gauge(
+            "pdserve_kv_blocks_held", "Blocks a prefill worker holds for remote readers", registry=r
+        )
         self.info = Gauge("pdserve_info", "Server role", ["role"], registry=r)
         self.info.labels(**labels).set(1)
         self.role = role
@@ -96,4 +110,9 @@ class ServerMetrics:
             queries = stats.prefix_cache_queries
             self.hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0)
             self.preemptions.set(stats.num_preemptions)
+            self.blocks_held.set(stats.kv_blocks_held)
+            for name, counter in self.transfer_counters.items():
+                delta = getattr(stats, name) - counter._value.get()
+                if delta > 0:
+                    counter.inc(delta)
         return generate_latest(self.registry)

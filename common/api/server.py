@@ -7,6 +7,7 @@ to finish and are then aborted (their blocks freed), and the process exits 0.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 
 import uvicorn
@@ -17,6 +18,7 @@ from common.engine.engine import LLMEngine
 
 
 def main(role: str, argv: list[str] | None = None) -> None:
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's INFO lines go to stdout otherwise
     engine_cfg, server_cfg = parse_args(role, argv)
     logging.basicConfig(
         level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

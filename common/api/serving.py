@@ -21,6 +21,7 @@ from common.api.errors import APIError, InvalidRequestError, OverloadedError, Se
 from common.engine.async_engine import AsyncEngine
 from common.engine.output import RequestOutput
 from common.engine.sampling_params import SamplingParams
+from common.kv_transfer.params import wants_remote_prefill
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Job:
     prompt_token_ids: list[int]
     params: SamplingParams
     choice_offset: int  # choice index of this job's first sample
+    kv_transfer_params: dict | None = None
     num_cached_tokens: int = 0
     arrival: float = field(default_factory=time.perf_counter)
     last_token_at: float | None = None
@@ -98,8 +100,13 @@ async def _one(
     state: ServerState, engine: AsyncEngine, job: Job
 ) -> AsyncIterator[tuple[Job, RequestOutput]]:
     m = state.metrics
-    async with aclosing(engine.generate(job.request_id, job.prompt_token_ids, job.params)) as gen:
+    outputs = engine.generate(
+        job.request_id, job.prompt_token_ids, job.params, job.kv_transfer_params
+    )
+    async with aclosing(outputs) as gen:
         async for out in gen:
+            if out.error:
+                raise ServerError(out.error)
             now = time.perf_counter()
             new = sum(len(c.delta_token_ids) for c in out.outputs)
             if new:
@@ -159,6 +166,20 @@ async def collect(request: Request, outputs: AsyncIterator) -> list | None:
         return None
     consumer.result()
     return items
+
+
+async def resolve_kv_params(state: ServerState, raw: dict | None) -> dict | None:
+    """The request's kv_transfer_params, once a remote prefill's peer is known (handshake);
+    None when the prompt will be computed here instead."""
+    if not wants_remote_prefill(raw):
+        return raw
+    from common.api.internal import ensure_peer
+
+    return raw if await ensure_peer(state, raw) is not None else None
+
+
+def final_kv_params(items: list) -> dict | None:
+    return next((out.kv_transfer_params for _, out in items if out.kv_transfer_params), None)
 
 
 async def until_disconnected(request: Request, interval: float = 0.25) -> None:

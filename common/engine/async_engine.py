@@ -43,6 +43,13 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    kv_transfers: int = 0
+    kv_transfer_failures: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_transfer_descriptors: int = 0
+    kv_lease_expiries: int = 0
+    kv_blocks_held: int = 0
 
 
 class AsyncEngine:
@@ -88,7 +95,11 @@ class AsyncEngine:
 
     # -- requests ----------------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes; ValueError for bad input."""
         if not self.is_alive:
@@ -98,7 +109,7 @@ class AsyncEngine:
         finished = False
         try:
             self._num_pending += 1
-            added = self._call(self._add, request_id, prompt, params)
+            added = self._call(self._add, request_id, prompt, params, kv_transfer_params)
             await asyncio.wrap_future(added)
             while not finished:
                 item = await queue.get()
@@ -149,17 +160,28 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests():
                     self._publish(self.engine.step())
                 else:
-                    self._wake.wait()
+                    self.engine.poll_transfers()  # notifications and leases, while idle
+                    self._refresh_stats()
+                    self._wake.wait(0.01 if self.engine.has_pending_transfers() else None)
                     self._wake.clear()
         except BaseException as e:  # noqa: BLE001 — every waiting request must hear of it
             logger.exception("engine thread failed")
             self.error = e
             dead = EngineDeadError(f"engine failed: {e!r}")
             self._loop.call_soon_threadsafe(self._fail_all, dead)
+        finally:
+            if self.engine.connector is not None and hasattr(self.engine.connector, "close"):
+                self.engine.connector.close()
 
-    def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def _add(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict | None,
+    ) -> None:
         self._num_pending -= 1
-        self.engine.add_request(request_id, prompt, params)
+        self.engine.add_request(request_id, prompt, params, kv_transfer_params)
 
     def _drain_commands(self) -> None:
         while self._commands:
@@ -184,6 +206,9 @@ class AsyncEngine:
 
     def _refresh_stats(self) -> None:
         sched, pool = self.engine.scheduler, self.engine.pool
+        connector = self.engine.connector
+        transfer = getattr(connector, "stats", None)
+        leases = getattr(connector, "leases", None)
         self.stats = EngineStats(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
@@ -192,4 +217,11 @@ class AsyncEngine:
             prefix_cache_queries=pool.num_queries,
             prefix_cache_hits=pool.num_hits,
             num_preemptions=sched.num_preemptions,
+            kv_transfers=transfer.num_loads if transfer else 0,
+            kv_transfer_failures=transfer.num_failed if transfer else 0,
+            kv_transfer_bytes=transfer.bytes_loaded if transfer else 0,
+            kv_transfer_seconds=transfer.seconds_loading if transfer else 0.0,
+            kv_transfer_descriptors=transfer.descriptors if transfer else 0,
+            kv_lease_expiries=leases.num_expired if leases is not None else 0,
+            kv_blocks_held=leases.num_blocks_held if leases is not None else 0,
         )

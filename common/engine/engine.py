@@ -21,13 +21,14 @@ from common.config import EngineConfig
 from common.engine.model_runner import ModelRunner
 from common.engine.output import OutputProcessor, RequestOutput
 from common.engine.request import Request, RequestStatus
-from common.engine.sampler import Sampler
+from common.engine.sampler import SampledToken, Sampler, skip_draw
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.kv_cache.block_pool import BlockPool
 from common.kv_cache.manager import KVCacheManager
 from common.kv_cache.tensors import allocate_kv_caches, num_blocks_for_memory
 from common.kv_transfer.base import KVConnector
+from common.kv_transfer.params import RemotePrefill, wants_remote_prefill
 from common.model.hf_config import load_arch_config
 from common.model.loader import load_model
 from common.tokenizer import Tokenizer
@@ -72,12 +73,13 @@ class LLMEngine:
         self.pool = BlockPool(self.num_blocks, cc.enable_prefix_caching)
         eos = tuple(sorted(set(self.arch.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.eos_token_ids = eos
-        self.scheduler = Scheduler(
-            config.scheduler, KVCacheManager(self.pool, cc.block_size), self.max_model_len, eos
-        )
+        self.connector = connector or _build_connector(config, self.pool)
+        kv = KVCacheManager(self.pool, cc.block_size)
+        self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len, eos, self.connector)
         self.runner = ModelRunner(
-            self.model, self.kv_caches, cc.block_size, Sampler(eos), self.device, connector
+            self.model, self.kv_caches, cc.block_size, Sampler(eos), self.device, self.connector
         )
+        self._ready: list[Request] = []  # finished outside a step, reported by the next one
         self.outputs = OutputProcessor(self.tokenizer)
         self._parents: dict[str, _Parent] = {}
         self._held: dict[str, list[Request]] = {}  # first child id → siblings not yet scheduled
@@ -93,7 +95,11 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> None:
         params = params or SamplingParams()
         if request_id in self._parents:
@@ -103,12 +109,21 @@ class LLMEngine:
         parent = _Parent(text, token_ids)
         for i in range(params.n):
             child_id = f"{request_id}#{i}" if params.n > 1 else request_id
-            child = Request(child_id, token_ids, _child_params(params, i), prompt=text)
+            child = Request(
+                child_id,
+                token_ids,
+                _child_params(params, i),
+                prompt=text,
+                kv_transfer_params=kv_transfer_params if i == 0 else None,
+            )
             parent.children.append(child)
             self._children[child.request_id] = (request_id, i)
             self.outputs.add_request(child)
         first, siblings = parent.children[0], parent.children[1:]
         self.scheduler.add_request(first)
+        if wants_remote_prefill(kv_transfer_params) and self.connector is not None:
+            first.remote_prefill = RemotePrefill.parse(kv_transfer_params)
+            self._accept_first_token(first)
         if siblings and self.pool.enable_prefix_caching:
             self._held[first.request_id] = siblings
         else:
@@ -125,17 +140,61 @@ class LLMEngine:
             self._children.pop(child.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._ready)
+
+    def poll_transfers(self) -> None:
+        if self.connector is not None:
+            self.connector.poll()
+
+    def has_pending_transfers(self) -> bool:
+        return self.connector is not None and self.connector.has_pending()
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.poll_transfers()
         sched = self.scheduler.schedule()
+        ready, self._ready = self._ready, []
         if sched.is_empty:
-            return []
-        sampled = self.runner.execute(sched.scheduled)
+            return self._make_outputs(ready)
+        meta = self.connector.build_connector_meta(sched.scheduled) if self.connector else None
+        sampled = self.runner.execute(sched.scheduled, meta)
+        ready += self._drop_failed_loads(sched, sampled)
         changed = self.scheduler.update(sched, sampled)
         self._release_siblings()
-        return self._make_outputs(changed)
+        return self._make_outputs(ready + changed)
+
+    def _drop_failed_loads(self, sched, sampled: dict) -> list[Request]:
+        """Requests whose remote KV did not arrive: recomputed locally, or failed, by policy.
+        Their sampled token is dropped and their blocks are never cached."""
+        failed = self.connector.take_failed() if self.connector else set()
+        if not failed:
+            return []
+        lost = [req for req, _ in sched.scheduled if req.request_id in failed]
+        sched.scheduled = [(r, n) for r, n in sched.scheduled if r.request_id not in failed]
+        for req in lost:
+            sampled.pop(req.request_id, None)
+            if self.config.transfer.failure_policy == "recompute":
+                self.scheduler.recompute(req)
+            else:
+                req.error = "the prompt's KV cache did not arrive from the prefill worker"
+                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        return [req for req in lost if req.is_finished]
+
+    def _accept_first_token(self, req: Request) -> None:
+        """Take the prefill worker's first token as generated here (seeded draws included)."""
+        remote = req.remote_prefill
+        if remote.first_token_id is None:
+            return  # vLLM-style: the last prompt token is recomputed and sampled here
+        req.append_token(SampledToken(remote.first_token_id))
+        skip_draw(req)
+        status, reason = self.scheduler.check_stop(req, remote.first_token_id)
+        if status is not None:  # nothing left to generate: no KV needed
+            self.connector.notify_release(remote)
+            req.remote_prefill = None
+            self.scheduler.finish(req, status, reason)
+            self._ready.append(req)
+        elif remote.first_token_streamed:
+            self.outputs.process(req)  # the client has it: stream from the second token
 
     def _release_siblings(self) -> None:
         """Schedule the siblings of first children whose prompt is now computed (and cached)."""
@@ -167,7 +226,10 @@ class LLMEngine:
             )
             out.outputs.append(completion)
         for parent_id, out in by_parent.items():
-            out.finished = all(c.is_finished for c in self._parents[parent_id].children)
+            children = self._parents[parent_id].children
+            out.finished = all(c.is_finished for c in children)
+            out.kv_transfer_params = children[0].kv_transfer_params_out
+            out.error = next((c.error for c in children if c.error), None)
             if out.finished:
                 self._forget(parent_id)
         return list(by_parent.values())
@@ -196,6 +258,14 @@ class LLMEngine:
                 f"{self.max_model_len} (the prompt plus one output token must fit)"
             )
         return text, token_ids
+
+
+def _build_connector(config: EngineConfig, pool: BlockPool) -> KVConnector | None:
+    if config.transfer.connector == "nixl":
+        from common.kv_transfer.nixl_connector import NixlConnector
+
+        return NixlConnector(config.transfer, config.cache.block_size, pool.free)
+    return None
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

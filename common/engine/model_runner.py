@@ -48,7 +48,18 @@ class ModelRunner:
             connector.register_kv_caches(self.kv_caches)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, SampledToken]:
+    def execute(
+        self, scheduled: list[tuple[Request, int]], connector_meta: object = None
+    ) -> dict[str, SampledToken]:
+        if connector_meta is not None:
+            self.connector.bind_connector_metadata(connector_meta)
+        try:
+            return self._execute(scheduled)
+        finally:
+            if connector_meta is not None:
+                self.connector.clear_connector_metadata()
+
+    def _execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, SampledToken]:
         batch = self.prepare(scheduled)
         ctx = ForwardContext(batch.attn_metadata, self.layers, self.kv_caches, self.connector)
         transfers = self.connector is not None and self.connector.has_connector_metadata()

@@ -34,6 +34,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None  # a prefill worker's answer: where the KV is held
+    error: str | None = None  # why a request finished with finish_reason "error"
 
 
 @dataclass

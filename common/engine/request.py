@@ -10,6 +10,7 @@ import torch
 from common.engine.sampler import SampledToken
 from common.engine.sampling_params import SamplingParams
 from common.kv_cache.block_pool import Block
+from common.kv_transfer.params import RemotePrefill
 
 
 class RequestStatus(enum.Enum):
@@ -19,6 +20,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
 
     @property
     def is_finished(self) -> bool:
@@ -33,6 +35,7 @@ class Request:
         params: SamplingParams,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        kv_transfer_params: dict | None = None,
     ):
         self.request_id = request_id
         self.prompt = prompt
@@ -50,6 +53,10 @@ class Request:
         self.block_hashes: list[int] = []
         self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         self._all_token_ids = list(prompt_token_ids)
+        self.kv_transfer_params = kv_transfer_params  # as the client sent them
+        self.remote_prefill: RemotePrefill | None = None  # D: where the prompt's KV is
+        self.kv_transfer_params_out: dict | None = None  # P: where this request's KV is held
+        self.error: str | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

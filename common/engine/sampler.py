@@ -332,3 +332,10 @@ def _with_logprobs(
         pairs = zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist(), strict=True)
         out[i].top_logprobs = list(pairs)
     return out
+
+
+def skip_draw(seq: SamplingSeq) -> None:
+    """Consume the random draw a sampling step of `seq` makes, for a token sampled elsewhere (a
+    prefill worker's first token), so the seeded sequence continues as if sampled here."""
+    if seq.generator is not None and not seq.sampling_params.is_greedy:
+        torch.rand(1, generator=seq.generator)

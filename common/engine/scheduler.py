@@ -17,6 +17,7 @@ from common.config import SchedulerConfig
 from common.engine.request import Request, RequestStatus
 from common.engine.sampler import SampledToken
 from common.kv_cache.manager import KVCacheManager
+from common.kv_transfer.base import KVConnector
 
 
 @dataclass
@@ -40,8 +41,10 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
+        connector: KVConnector | None = None,
     ):
         self.cfg = cfg
+        self.connector = connector
         self.kv = kv
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
@@ -66,7 +69,16 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status, req.stop_reason = status, stop_reason
+        if self.connector is None or not self.connector.request_finished(req):
+            self.kv.free(req)
+
+    def recompute(self, req: Request) -> None:
+        """Back to the head of the queue with no KV: computed again, locally, from token 0."""
+        self.running.remove(req)
         self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        self.waiting.appendleft(req)
 
     # -- schedule ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -96,14 +108,17 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             computed, num_cached = self.kv.get_computed_blocks(req)
-            num_new = req.num_tokens - num_cached
+            num_external = self._num_external(req, num_cached)
+            num_new = req.num_tokens - num_cached - num_external
             if num_new > budget and not self.cfg.enable_chunked_prefill:
                 return
             num_new = min(num_new, budget)
-            req.num_computed_tokens = num_cached
+            req.num_computed_tokens = num_cached + num_external
             if not self.kv.allocate_slots(req, num_new, computed):
                 req.num_computed_tokens = 0
                 return
+            if self.connector is not None:
+                self.connector.after_allocation(req, num_cached)
             self.waiting.popleft()
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = num_cached
@@ -111,6 +126,10 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, num_new))
             budget -= num_new
+
+    def _num_external(self, req: Request, num_cached: int) -> int:
+        """Tokens whose KV comes from another worker (computed elsewhere, loaded this step)."""
+        return 0 if self.connector is None else self.connector.num_external_tokens(req, num_cached)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -134,13 +153,13 @@ class Scheduler:
             if token is None:
                 continue
             req.append_token(token)
-            status, reason = self._check_stop(req, token.token_id)
+            status, reason = self.check_stop(req, token.token_id)
             if status is not None:
                 self.finish(req, status, reason)
             changed.append(req)
         return changed
 
-    def _check_stop(self, req: Request, token_id: int):
+    def check_stop(self, req: Request, token_id: int):
         params = req.sampling_params
         if req.num_output_tokens >= params.min_tokens:
             if token_id in self.eos_token_ids and not params.ignore_eos:

@@ -12,8 +12,16 @@ Worker side (runs inside the model forward, called by `maybe_transfer_kv_layer`)
 - `wait_for_save()`: after the forward, until every send of this step is under way or done.
 - `get_finished(finished_req_ids)`: request ids whose sends / receives completed.
 
-Scheduler side (how many tokens come from outside, what to do after allocation, per-step
-metadata, request completion) joins this class with the NIXL connector.
+Scheduler side (the engine calls these between steps, on the same thread):
+- `num_external_tokens(request, num_local_cached)`: how many of the request's tokens come from
+  outside (a remote prefill) beyond its own prefix-cache hits.
+- `after_allocation(request, num_local_cached)`: blocks are allocated; plan the load.
+- `build_connector_meta(scheduled)`: this step's plan, bound to the worker side by the runner.
+- `request_finished(request)`: True when the connector keeps the request's blocks (a prefill
+  worker holds them for a remote reader) instead of the scheduler freeing them.
+- `take_failed()`: request ids whose KV did not fully arrive this step.
+- `poll()`: between steps: notifications, lease expiry; `has_pending()` asks the engine loop to
+  keep calling it while idle.
 """
 
 from __future__ import annotations
@@ -67,3 +75,25 @@ class KVConnector(ABC):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(finished sending, finished receiving) request ids since the last call."""
         return set(), set()
+
+    # -- scheduler side ----------------------------------------------------------------------
+    def num_external_tokens(self, request: Any, num_local_cached: int) -> int:
+        return 0
+
+    def after_allocation(self, request: Any, num_local_cached: int) -> None:  # noqa: B027
+        """Called once blocks cover the request's tokens."""
+
+    def build_connector_meta(self, scheduled: list) -> Any:
+        return None
+
+    def request_finished(self, request: Any) -> bool:
+        return False
+
+    def take_failed(self) -> set[str]:
+        return set()
+
+    def poll(self) -> None:  # noqa: B027
+        """Between steps: handle notifications and expiries."""
+
+    def has_pending(self) -> bool:
+        return False

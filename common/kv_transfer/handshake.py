@@ -1,0 +1,63 @@
+"""What two workers check before moving KV: the same model, dtype, KV layout and protocol.
+
+`compat_hash` covers the model's identity (config.json and the weight files' names and sizes),
+the dtype, the KV layout (layers, KV heads, head dim, block size) and the protocol version. A
+worker serves `HandshakeInfo` on `GET /internal/kv/handshake`; a peer whose hash differs is
+refused with a message that names what differs.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from pathlib import Path
+
+from pydantic import BaseModel
+
+PROTOCOL_VERSION = 1
+
+
+class HandshakeInfo(BaseModel):
+    engine_id: str
+    protocol_version: int
+    compat_hash: str
+    compat: dict  # the inputs of the hash, to say what differs
+    layout: dict  # KVLayout.to_dict()
+    agent_metadata: str  # base64
+
+    def metadata_bytes(self) -> bytes:
+        return base64.b64decode(self.agent_metadata)
+
+
+def compat_fields(
+    model_dir: Path, dtype: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> dict:
+    config = (model_dir / "config.json").read_bytes()
+    weights = sorted((p.name, p.stat().st_size) for p in model_dir.glob("*.safetensors"))
+    return {
+        "model": hashlib.sha256(config + json.dumps(weights).encode()).hexdigest()[:16],
+        "dtype": dtype,
+        "num_layers": num_layers,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "block_size": block_size,
+        "protocol_version": PROTOCOL_VERSION,
+    }
+
+
+def compat_hash(fields: dict) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def explain_mismatch(ours: dict, theirs: dict) -> str:
+    diffs = [
+        f"{k}: {theirs.get(k)!r} there, {ours.get(k)!r} here"
+        for k in sorted(ours)
+        if ours.get(k) != theirs.get(k)
+    ]
+    return "; ".join(diffs) or "the compatibility hashes differ"
+
+
+def encode_metadata(metadata: bytes) -> str:
+    return base64.b64encode(metadata).decode()

@@ -1,0 +1,490 @@
+"""NIXL transport: one agent per worker; moves one layer's KV blocks to or from a peer.
+
+Contract
+- `NixlTransport(engine_id, kv_caches)` registers every layer's paged KV tensor, each contiguous
+  with shape (2, num_blocks, block_size, num_kv_heads, head_dim), and prepares one descriptor per
+  (layer, K/V, block) at index (layer * 2 + kv) * num_blocks + block.
+- A peer is added from its `KVLayout` and its `metadata()`, both sent over any side channel.
+- `read_layer` / `write_layer` move the K and V bytes of the given blocks of one layer and return
+  a Future[TransferResult] at once. One transfer thread starts transfers in submission order
+  (with UCX's cma transport the copy runs inside `transfer()`, GIL released) and polls every
+  in-flight one. A dead peer fails the Future with TransferError; a transfer still running at
+  the caller's deadline fails with TimeoutError (NIXL has no timeout of its own). Future
+  callbacks run on the transfer thread: keep them short (`loop.call_soon_threadsafe`).
+- NOTE: a hung peer is not always a stuck transfer: over an established cma connection, READs
+  and WRITEs to a SIGSTOPped peer complete (the kernel copies without it); connecting to it, or
+  transferring after a notif was sent to it, stays in progress until the deadline.
+- The notif of a transfer reaches the peer after the data has landed; notifs of different
+  transfers may arrive out of order.
+- The owner of KV blocks must not free or deregister them while a peer may still read them:
+  reading deregistered memory of a live peer breaks the connection to it for good.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+_MEM_TYPES = {"cpu": "DRAM", "cuda": "VRAM"}
+_MIN_POLL_S = 50e-6  # poll backoff while transfers are in flight: 50 µs doubling up to 1 ms
+_MAX_POLL_S = 1e-3
+_AGENT_CREATION_LOCK = threading.Lock()
+_NOTHING = object()  # the queue had no item
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a peer needs to address our KV cache; JSON-serialisable via to_dict / from_dict."""
+
+    engine_id: str
+    agent_name: str
+    base_addrs: tuple[int, ...]  # per layer: data_ptr of its (2, num_blocks, ...) tensor
+    num_blocks: int
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_len: int  # bytes of one block's K (or V) in one layer
+    device: str  # "cpu" | "cuda"
+    device_id: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.base_addrs) != self.num_layers:
+            raise ValueError(f"{len(self.base_addrs)} base addresses for {self.num_layers} layers")
+        if self.device not in _MEM_TYPES:
+            raise ValueError(f"device must be one of {sorted(_MEM_TYPES)}, got {self.device!r}")
+
+    @property
+    def mem_type(self) -> str:
+        return _MEM_TYPES[self.device]
+
+    @classmethod
+    def of(cls, engine_id: str, agent_name: str, kv_caches: Sequence[torch.Tensor]) -> KVLayout:
+        _check_kv_caches(kv_caches)
+        first = kv_caches[0]
+        _, num_blocks, block_size, num_kv_heads, head_dim = first.shape
+        return cls(
+            engine_id=engine_id,
+            agent_name=agent_name,
+            base_addrs=tuple(t.data_ptr() for t in kv_caches),
+            num_blocks=num_blocks,
+            num_layers=len(kv_caches),
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=str(first.dtype).removeprefix("torch."),
+            block_len=first[0, 0].numel() * first.element_size(),
+            device=first.device.type,
+            device_id=first.device.index or 0,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "base_addrs": list(self.base_addrs)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVLayout:
+        return cls(**{**data, "base_addrs": tuple(data["base_addrs"])})
+
+    def block_descs(self) -> np.ndarray:
+        """(num_layers * 2 * num_blocks, 3) rows of (addr, len, device id), in index order."""
+        offsets = np.arange(2 * self.num_blocks, dtype=np.uint64) * np.uint64(self.block_len)
+        addrs = np.asarray(self.base_addrs, dtype=np.uint64)[:, None] + offsets[None, :]
+        descs = np.empty((addrs.size, 3), dtype=np.uint64)
+        descs[:, 0], descs[:, 1], descs[:, 2] = addrs.reshape(-1), self.block_len, self.device_id
+        return descs
+
+    def layer_indices(self, layer: int, blocks: Sequence[int]) -> np.ndarray:
+        """Descriptor indices of `blocks` in `layer`: all K blocks, then all V blocks."""
+        ids = np.asarray(blocks, dtype=np.int64)
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
+            raise ValueError(f"block ids out of range [0, {self.num_blocks}) for {self.engine_id}")
+        k = layer * 2 * self.num_blocks + ids
+        return np.concatenate([k, k + self.num_blocks]).astype(np.int32)
+
+
+def _check_kv_caches(kv_caches: Sequence[torch.Tensor]) -> None:
+    if not kv_caches:
+        raise ValueError("no KV cache tensors")
+    first = kv_caches[0]
+    if first.dim() != 5 or first.shape[0] != 2:
+        raise ValueError(
+            f"expected (2, num_blocks, block_size, heads, head_dim), got {first.shape}"
+        )
+    for t in kv_caches:
+        if (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device):
+            raise ValueError("all layers' KV tensors must share shape, dtype and device")
+        if not t.is_contiguous():
+            raise ValueError("KV cache tensors must be contiguous")
+
+
+class TransferError(ConnectionError):
+    """A transfer failed: the peer died or was removed, or NIXL refused it (see __cause__)."""
+
+
+@dataclass
+class TransferResult:
+    num_bytes: int
+    seconds: float  # from transfer() to DONE seen, on the transfer thread
+    num_descriptors: int  # before NIXL merges adjacent ones
+
+
+@dataclass
+class _Peer:
+    layout: KVLayout
+    dlist: Any  # prepped remote descriptor list over all of the peer's blocks
+
+
+@dataclass
+class _Job:
+    op: str  # "READ" | "WRITE"
+    peer: str
+    local_idx: np.ndarray
+    remote_idx: np.ndarray
+    notif: bytes
+    deadline: float | None
+    num_bytes: int
+    future: Future[TransferResult] = field(default_factory=Future)
+    handle: Any = None
+    started: float = 0.0
+
+
+@dataclass
+class _Command:
+    fn: Callable[[], Any]
+    future: Future[Any] = field(default_factory=Future)
+
+
+class NixlTransport:
+    def __init__(
+        self, engine_id: str, kv_caches: Sequence[torch.Tensor], progress_delay_us: int = 1000
+    ) -> None:
+        _check_kv_caches(kv_caches)
+        agent_name = f"{engine_id}-{uuid.uuid4().hex[:8]}"
+        self._agent = _create_agent(agent_name, progress_delay_us)
+        self.layout = KVLayout.of(engine_id, agent_name, kv_caches)
+        self._kv_caches = list(kv_caches)  # registered memory must outlive the agent's use of it
+        self._registered = self._agent.register_memory(self._kv_caches)
+        descs = self.layout.block_descs()
+        self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, self.layout.mem_type)
+        self._peers: dict[str, _Peer] = {}  # written only on the transfer thread
+        self._inflight: list[_Job] = []  # transfer thread only
+        self._queue: queue.SimpleQueue[_Job | _Command | None] = queue.SimpleQueue()
+        self._submit_lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"nixl-{engine_id}", daemon=True)
+        self._thread.start()
+
+    # -- peers ---------------------------------------------------------------------------------
+    def metadata(self) -> bytes:
+        return self._agent.get_agent_metadata()
+
+    def add_peer(self, layout: KVLayout, metadata: bytes) -> None:
+        """Load a peer's agent metadata; a known engine id (a restarted peer) is replaced."""
+        if (layout.num_layers, layout.block_len) != (self.layout.num_layers, self.layout.block_len):
+            raise ValueError(
+                f"peer {layout.engine_id} has {layout.num_layers} layers of {layout.block_len}-byte"
+                f" blocks; we have {self.layout.num_layers} of {self.layout.block_len}"
+            )
+        self._call(lambda: self._add_peer(layout, metadata))
+
+    def remove_peer(self, engine_id: str) -> None:
+        """Forget a peer; its in-flight transfers fail with TransferError."""
+        self._call(lambda: self._drop_peer(engine_id))
+
+    def has_peer(self, engine_id: str) -> bool:
+        return engine_id in self._peers
+
+    # -- transfers -----------------------------------------------------------------------------
+    def read_layer(
+        self,
+        peer: str,
+        layer: int,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        notif: bytes = b"",
+        deadline: float | None = None,
+    ) -> Future[TransferResult]:
+        """Copy the peer's `remote_blocks` of `layer` into our `local_blocks` (K and V)."""
+        return self._submit("READ", peer, layer, local_blocks, remote_blocks, notif, deadline)
+
+    def write_layer(
+        self,
+        peer: str,
+        layer: int,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        notif: bytes = b"",
+        deadline: float | None = None,
+    ) -> Future[TransferResult]:
+        """Copy our `local_blocks` of `layer` into the peer's `remote_blocks` (K and V)."""
+        return self._submit("WRITE", peer, layer, local_blocks, remote_blocks, notif, deadline)
+
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        self._agent.send_notif(self._peer(peer).layout.agent_name, msg)
+
+    def get_notifs(self) -> list[bytes]:
+        """Notification messages received from any peer since the last call."""
+        return [msg for msgs in self._agent.get_new_notifs().values() for msg in msgs]
+
+    def close(self) -> None:
+        """Fail pending transfers, release every handle, deregister the KV memory."""
+        assert threading.current_thread() is not self._thread, "close() from a Future callback"
+        with self._submit_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)
+        self._thread.join()
+        self._agent = None  # the C++ agent (and its progress thread) goes with the last reference
+
+    def __enter__(self) -> NixlTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- caller side helpers -------------------------------------------------------------------
+    def _peer(self, engine_id: str) -> _Peer:
+        peer = self._peers.get(engine_id)
+        if peer is None:
+            raise ValueError(f"unknown peer {engine_id!r}")
+        return peer
+
+    def _submit(self, op, peer, layer, local_blocks, remote_blocks, notif, deadline):
+        if len(local_blocks) != len(remote_blocks):
+            raise ValueError(f"{len(local_blocks)} local blocks but {len(remote_blocks)} remote")
+        local_idx = self.layout.layer_indices(layer, local_blocks)
+        remote_idx = self._peer(peer).layout.layer_indices(layer, remote_blocks)
+        num_bytes = len(local_idx) * self.layout.block_len
+        job = _Job(op, peer, local_idx, remote_idx, notif, deadline, num_bytes)
+        self._enqueue(job)
+        return job.future
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the transfer thread, which owns peer state, and wait for it."""
+        command = _Command(fn)
+        self._enqueue(command)
+        return command.future.result()
+
+    def _enqueue(self, item: _Job | _Command) -> None:
+        with self._submit_lock:
+            if self._closed:
+                raise RuntimeError("transport is closed")
+            self._queue.put(item)
+
+    # -- transfer thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:  # a bug: fail everything rather than leave Futures hanging
+            with self._submit_lock:
+                self._closed = True
+            self._shutdown()
+            raise
+
+    def _loop(self) -> None:
+        wait = _MIN_POLL_S
+        while True:
+            try:  # sleeps until work arrives, or for the poll interval while transfers run
+                item = self._queue.get(timeout=wait if self._inflight else None)
+            except queue.Empty:
+                item = _NOTHING
+            while item is not _NOTHING:
+                if item is None:
+                    return self._shutdown()
+                self._handle(item)
+                item = self._next_nowait()
+            finished = self._poll()
+            wait = _MIN_POLL_S if finished else min(2 * wait, _MAX_POLL_S)
+
+    def _next_nowait(self) -> Any:
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:
+            return _NOTHING
+
+    def _handle(self, item: _Job | _Command) -> None:
+        if isinstance(item, _Job):
+            return self._start(item)
+        if item.future.set_running_or_notify_cancel():
+            try:
+                item.future.set_result(item.fn())
+            except Exception as e:
+                item.future.set_exception(e)
+
+    def _start(self, job: _Job) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return
+        try:
+            self._post(job)
+        except Exception as e:
+            return self._fail(job, _as_transfer_error(job, e))
+        if not self._settle(job, "PROC"):
+            self._inflight.append(job)
+
+    def _post(self, job: _Job) -> None:
+        if job.deadline is not None and time.monotonic() > job.deadline:
+            raise TimeoutError(f"{job.op} from {job.peer}: deadline passed while queued")
+        peer = self._peers.get(job.peer)
+        if peer is None:
+            raise TransferError(f"peer {job.peer!r} was removed")
+        if len(job.local_idx) == 0:  # nothing to move: still deliver the notification
+            if job.notif:
+                self._agent.send_notif(peer.layout.agent_name, job.notif)
+            return job.future.set_result(TransferResult(0, 0.0, 0))
+        job.handle = self._agent.make_prepped_xfer(
+            job.op, self._local, job.local_idx, peer.dlist, job.remote_idx, notif_msg=job.notif
+        )
+        job.started = time.monotonic()
+        if self._agent.transfer(job.handle) == "DONE":
+            self._finish(job)
+
+    def _poll(self) -> bool:
+        """Check every in-flight transfer once; True if any finished."""
+        still = []
+        for job in self._inflight:
+            try:
+                state = self._agent.check_xfer_state(job.handle)
+            except Exception as e:
+                self._fail(job, _as_transfer_error(job, e))
+                continue
+            if not self._settle(job, state):
+                still.append(job)
+        finished = len(still) < len(self._inflight)
+        self._inflight = still
+        return finished
+
+    def _settle(self, job: _Job, state: str) -> bool:
+        """Resolve the job if `state` or its deadline ends it; True if it is over."""
+        if job.future.done():
+            return True
+        if state == "DONE":
+            self._finish(job)
+        elif state == "ERR":
+            self._fail(job, TransferError(f"{job.op} with {job.peer} failed (ERR)"))
+        elif job.deadline is not None and time.monotonic() > job.deadline:
+            self._fail(job, TimeoutError(f"{job.op} with {job.peer} still running at deadline"))
+        return job.future.done()
+
+    def _finish(self, job: _Job) -> None:
+        seconds = time.monotonic() - job.started
+        self._release(job)
+        job.future.set_result(TransferResult(job.num_bytes, seconds, len(job.local_idx)))
+
+    def _fail(self, job: _Job, exc: BaseException) -> None:
+        self._release(job)  # releasing an in-flight handle aborts it; its data is partial
+        if not job.future.done():
+            job.future.set_exception(exc)
+
+    def _release(self, job: _Job) -> None:
+        if job.handle is not None:
+            try:
+                job.handle.release()
+            except Exception:
+                logger.warning("releasing a %s handle with %s failed", job.op, job.peer)
+            job.handle = None
+
+    def _add_peer(self, layout: KVLayout, metadata: bytes) -> None:
+        self._drop_peer(layout.engine_id)
+        name = self._agent.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        if name != layout.agent_name:
+            self._agent.remove_remote_agent(name)
+            raise ValueError(f"metadata is of agent {name!r}, layout of {layout.agent_name!r}")
+        dlist = self._agent.prep_xfer_dlist(name, layout.block_descs(), layout.mem_type)
+        self._peers[layout.engine_id] = _Peer(layout, dlist)
+
+    def _drop_peer(self, engine_id: str) -> None:
+        peer = self._peers.pop(engine_id, None)
+        if peer is None:
+            return
+        for job in self._inflight:
+            if job.peer == engine_id:
+                self._fail(job, TransferError(f"peer {engine_id!r} was removed"))
+        self._inflight = [job for job in self._inflight if job.peer != engine_id]
+        peer.dlist.release()
+        try:
+            self._agent.remove_remote_agent(peer.layout.agent_name)
+        except Exception:
+            logger.warning("removing NIXL agent %s failed", peer.layout.agent_name)
+
+    def _shutdown(self) -> None:
+        closed = RuntimeError("transport closed")
+        while (item := self._next_nowait()) is not _NOTHING:
+            if item is not None and not item.future.done():
+                item.future.set_exception(closed)
+        for job in self._inflight:
+            self._fail(job, closed)
+        self._inflight = []
+        for engine_id in list(self._peers):
+            self._drop_peer(engine_id)
+        self._local.release()
+        self._agent.deregister_memory(self._registered)
+
+
+def _as_transfer_error(job: _Job, exc: Exception) -> Exception:
+    if isinstance(exc, (TimeoutError, TransferError)):
+        return exc
+    error = TransferError(f"{job.op} with {job.peer} failed: {exc!r}")
+    error.__cause__ = exc
+    return error
+
+
+class _DelayedBind:
+    """Stands in for the wrapper's `nixlBind` module while one agent is created.
+
+    NOTE: the Python wrapper hard-codes the progress thread's delay to 0 µs, so an idle agent
+    spins a whole core; this sets `pthrDelay` on the config on its way to the C++ agent.
+    """
+
+    def __init__(self, real: Any, delay_us: int) -> None:
+        self._real = real
+        self._delay_us = delay_us
+        self.is_used = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def nixlAgent(self, name: str, config: Any) -> Any:  # noqa: N802 — the binding's name
+        config.pthrDelay = self._delay_us
+        self.is_used = True
+        return self._real.nixlAgent(name, config)
+
+
+def _create_agent(name: str, progress_delay_us: int) -> Any:
+    api = _import_nixl_api()
+    # RW: transfers and notifications share the agent across threads; peer changes are exclusive.
+    config = api.nixl_agent_config(sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
+    with _AGENT_CREATION_LOCK:
+        real = api.nixlBind
+        api.nixlBind = proxy = _DelayedBind(real, progress_delay_us)
+        try:
+            agent = api.nixl_agent(name, config)
+        finally:
+            api.nixlBind = real
+    if not proxy.is_used:
+        logger.warning("could not set NIXL's progress-thread delay: an idle agent spins a core")
+    return agent
+
+
+def _import_nixl_api() -> Any:
+    try:
+        import nixl._api as api
+    except ImportError:
+        import nixl_cu12._api as api
+    return api

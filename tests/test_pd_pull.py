@@ -1,0 +1,149 @@
+"""Pull-mode P/D between real worker processes over real NIXL: output equals colocated, blocks
+come back on both sides, leases expire, failures end clearly."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from tests.servers import wait_until
+from tests.tiny_models import VOCAB
+
+LENGTHS = [3, 9, 15, 16, 17, 24, 31, 33, 40, 47, 50, 63, 64, 65, 80, 97, 120, 130, 150, 170]
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return str(tiny_model("llama"))
+
+
+@pytest.fixture(scope="module")
+def pd(start_server, model):
+    common = ["--model", model, "--num-blocks", "256", "--max-model-len", "256"]
+    p = start_server("prefill", *common, "--kv-lease-timeout", "30")
+    # no prefix cache on D: every block of every prompt is read from P, none served locally
+    d = start_server("decode", *common, "--kv-load-timeout", "10", "--no-prefix-caching")
+    return p, d
+
+
+def complete(url: str, body: dict) -> dict:
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def prefill(p, body: dict) -> dict:
+    out = complete(
+        p.url,
+        {
+            **body,
+            "max_tokens": 1,
+            "stream": False,
+            "return_token_ids": True,
+            "kv_transfer_params": {"do_remote_decode": True},
+        },
+    )
+    params = out["kv_transfer_params"]
+    assert params["do_remote_prefill"] and params["remote_block_ids"]
+    assert params["first_token_id"] == out["choices"][0]["token_ids"][0]
+    return params
+
+
+@pytest.mark.parametrize("mode", ["greedy", "seeded"])
+def test_pull_equals_colocated(pd, mode):
+    p, d = pd
+    sampling = dict(temperature=0) if mode == "greedy" else dict(temperature=0.9, seed=7)
+    for i, prompt in enumerate(prompts()):
+        body = dict(
+            prompt=prompt, max_tokens=12, ignore_eos=True, return_token_ids=True, **sampling
+        )
+        colocated = complete(d.url, body)["choices"][0]["token_ids"]
+        params = prefill(p, body)
+        if i % 2:  # vLLM-style: no first token, D recomputes the last prompt token
+            params = {k: v for k, v in params.items() if k != "first_token_id"}
+        pulled = complete(d.url, {**body, "kv_transfer_params": params})["choices"][0]
+        assert pulled["token_ids"] == colocated, f"prompt of {len(prompt)} tokens"
+    assert wait_until(lambda: p.metric("pdserve_kv_blocks_used") == 0)
+    assert wait_until(lambda: d.metric("pdserve_kv_blocks_used") == 0)
+    assert d.metric("pdserve_kv_transfers_total") > 0
+
+
+def test_release_route_and_lease_expiry(start_server, model):
+    p = start_server(
+        "prefill",
+        "--model",
+        model,
+        "--num-blocks",
+        "64",
+        "--max-model-len",
+        "256",
+        "--kv-lease-timeout",
+        "1.5",
+    )
+    body = dict(prompt=prompts()[12], temperature=0)
+    held = prefill(p, body)
+    assert p.metric("pdserve_kv_blocks_used") == len(held["remote_block_ids"])
+    r = httpx.post(f"{p.url}/internal/kv/release", json={"request_id": held["remote_request_id"]})
+    assert r.json() == {"released": True}
+    assert p.metric("pdserve_kv_blocks_used") == 0
+    prefill(p, body)  # nobody reads it: the lease expires
+    assert p.metric("pdserve_kv_blocks_used") > 0
+    assert wait_until(lambda: p.metric("pdserve_kv_blocks_used") == 0, timeout=10)
+    assert p.metric("pdserve_kv_lease_expiries_total") == 1
+
+
+def test_incompatible_prefill_is_refused(start_server, model, pd):
+    _, d = pd
+    p32 = start_server(
+        "prefill",
+        "--model",
+        model,
+        "--num-blocks",
+        "64",
+        "--max-model-len",
+        "256",
+        "--block-size",
+        "32",
+    )
+    body = dict(prompt=prompts()[5], temperature=0, max_tokens=4)
+    params = prefill(p32, body)
+    r = httpx.post(f"{d.url}/v1/completions", json={**body, "kv_transfer_params": params})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "kv_transfer_params"
+    assert "block_size: 32 there, 16 here" in err["message"]
+    httpx.post(f"{p32.url}/internal/kv/release", json={"request_id": params["remote_request_id"]})
+    assert wait_until(lambda: p32.metric("pdserve_kv_blocks_used") == 0)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_prefill_killed_before_read(start_server, model, policy):
+    common = ["--model", model, "--num-blocks", "128", "--max-model-len", "256"]
+    p = start_server("prefill", *common)
+    d = start_server(
+        "decode", *common, "--kv-load-timeout", "3", "--kv-load-failure-policy", policy
+    )
+    body = dict(
+        prompt=prompts()[15], temperature=0, max_tokens=8, ignore_eos=True, return_token_ids=True
+    )
+    colocated = complete(d.url, body)["choices"][0]["token_ids"]
+    # D knows P (handshake done), then P dies before D reads
+    warm = prefill(p, body)
+    complete(d.url, {**body, "kv_transfer_params": warm})
+    params = prefill(p, body)
+    p.proc.kill()
+    p.proc.wait()
+    r = httpx.post(
+        f"{d.url}/v1/completions", json={**body, "kv_transfer_params": params}, timeout=30
+    )
+    if policy == "recompute":
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == colocated
+    else:
+        assert r.status_code == 500 and "did not arrive" in r.json()["error"]["message"]
+    assert wait_until(lambda: d.metric("pdserve_kv_blocks_used") == 0)
