@@ -2,7 +2,10 @@
 
 - `GET /internal/kv/handshake`: this worker's NIXL agent metadata, KV layout and compatibility
   hash, for a peer that will read from (or write to) its KV cache.
-- `POST /internal/kv/release` `{"request_id"}`: end a prefill lease early (the reader gave up).
+- `POST /internal/kv/release` `{"request_id"}` or `{"reservation_id"}`: end a prefill lease or
+  a push reservation early (the other side gave up).
+- `POST /internal/kv/reserve` `{"num_tokens"}`: a decode worker reserves blocks for a push and
+  answers the `push_to` target a prefill worker writes into.
 
 `ensure_peer` runs on a decode worker before it admits a remote-prefill request: it handshakes
 with the prefill worker once per engine id (a restarted peer has a new id) and refuses an
@@ -16,10 +19,11 @@ import logging
 
 import httpx
 from fastapi import FastAPI, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, ValidationError
 
 from common.api.app import ServerState, read_json_body
 from common.api.errors import InvalidRequestError, NotFoundError, UnavailableError
+from common.kv_cache.block_pool import NoFreeBlocksError
 from common.kv_transfer.handshake import (
     HandshakeInfo,
     compat_fields,
@@ -27,13 +31,18 @@ from common.kv_transfer.handshake import (
     encode_metadata,
     explain_mismatch,
 )
-from common.kv_transfer.params import KVTransferParamsError, RemotePrefill
+from common.kv_transfer.params import KVTransferParamsError, RemotePrefill, push_target
 
 logger = logging.getLogger(__name__)
 
 
 class ReleaseRequest(BaseModel):
-    request_id: str
+    request_id: str | None = None
+    reservation_id: str | None = None
+
+
+class ReserveRequest(BaseModel):
+    num_tokens: int = Field(gt=0)
 
 
 def local_handshake(state: ServerState) -> HandshakeInfo:
@@ -70,55 +79,116 @@ def install_internal_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/internal/kv/release")
     async def release(request: Request):
-        body = ReleaseRequest.model_validate(await read_json_body(request, 4096))
-        engine = state.require_ready()
-        connector = engine.engine.connector
-        if connector is None:
-            raise NotFoundError("this worker has no KV connector")
-        released = await asyncio.wrap_future(engine.call(connector.release, body.request_id))
-        return {"released": bool(released)}
+        body = _parse(ReleaseRequest, await read_json_body(request, 4096))
+        engine, connector = _connector(state)
+        if body.reservation_id is not None:
+            fn, key = connector.release_reservation, body.reservation_id
+        elif body.request_id is not None:
+            fn, key = connector.release, body.request_id
+        else:
+            raise InvalidRequestError("give request_id or reservation_id", param="request_id")
+        return {"released": bool(await asyncio.wrap_future(engine.call(fn, key)))}
+
+    @app.post("/internal/kv/reserve")
+    async def reserve(request: Request):
+        body = _parse(ReserveRequest, await read_json_body(request, 4096))
+        engine, connector = _connector(state)
+        try:
+            res = await asyncio.wrap_future(engine.call(connector.reserve, body.num_tokens))
+        except NoFreeBlocksError as e:
+            raise UnavailableError(
+                f"no KV blocks to reserve: {e}", headers={"Retry-After": "1"}
+            ) from e
+        cfg = engine.engine.config.transfer
+        return {
+            "engine_id": cfg.engine_id,
+            "reservation_id": res.reservation_id,
+            "block_ids": [b.block_id for b in res.blocks],
+            "host": cfg.advertise_host,
+            "port": cfg.advertise_port,
+        }
+
+
+def _parse(model, body: dict):
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise InvalidRequestError(first["msg"], param=".".join(map(str, first["loc"]))) from e
+
+
+def _connector(state: ServerState):
+    engine = state.require_ready()
+    connector = engine.engine.connector
+    if connector is None:
+        raise NotFoundError("this worker has no KV connector (--kv-connector none)")
+    return engine, connector
 
 
 async def ensure_peer(state: ServerState, raw: dict) -> RemotePrefill | None:
-    """Handshake with the request's prefill worker (once per engine id). None when it cannot be
-    reached and the policy recomputes locally; a 4xx/5xx otherwise."""
+    """D, before admitting a remote-prefill request: the prefill worker is known (handshake
+    once per engine id). None when it cannot be reached and the policy recomputes locally."""
     try:
         remote = RemotePrefill.parse(raw)
     except KVTransferParamsError as e:
         raise InvalidRequestError(str(e), param="kv_transfer_params") from e
-    engine = state.require_ready()
-    connector = engine.engine.connector
+    _connector_for_params(state)
+    if remote.push_reservation_id:  # pushed: nothing to read from P
+        return remote
+    why = await handshake_with(
+        state, remote.remote_engine_id, remote.remote_host, remote.remote_port
+    )
+    return remote if why is None else _unreachable(state, remote, why)
+
+
+async def ensure_push_target(state: ServerState, raw: dict) -> None:
+    """P, before a push: the decode worker it writes into is known (handshake)."""
+    try:
+        target = push_target(raw)
+    except KVTransferParamsError as e:
+        raise InvalidRequestError(str(e), param="kv_transfer_params") from e
+    _connector_for_params(state)
+    why = await handshake_with(state, target.engine_id, target.host, target.port)
+    if why is not None:
+        raise UnavailableError(f"cannot push KV to the decode worker: {why}")
+
+
+def _connector_for_params(state: ServerState):
+    connector = state.require_ready().engine.connector
     if connector is None:
         raise InvalidRequestError(
-            "this worker has no KV connector for a remote prefill", param="kv_transfer_params"
+            "this worker has no KV connector for kv_transfer_params", param="kv_transfer_params"
         )
-    if connector.has_peer(remote.remote_engine_id):
-        return remote
-    url = f"http://{remote.remote_host}:{remote.remote_port}/internal/kv/handshake"
+    return connector
+
+
+async def handshake_with(state: ServerState, engine_id: str, host: str, port: int) -> str | None:
+    """Add the peer `engine_id` at host:port unless known; why it failed, or None. A peer whose
+    KV is incompatible is a 400 that names what differs."""
+    engine = state.require_ready()
+    connector = engine.engine.connector
+    if connector.has_peer(engine_id):
+        return None
+    url = f"http://{host}:{port}/internal/kv/handshake"
     try:
         async with httpx.AsyncClient(timeout=5.0) as client:
             r = await client.get(url)
             r.raise_for_status()
         info = HandshakeInfo.model_validate(r.json())
     except (httpx.HTTPError, ValueError) as e:
-        return _unreachable(state, remote, f"handshake with {url} failed: {e!r}")
-    if info.engine_id != remote.remote_engine_id:
-        return _unreachable(
-            state,
-            remote,
-            f"prefill engine {remote.remote_engine_id} is gone "
-            f"({url} now serves engine {info.engine_id})",
-        )
+        return f"handshake with {url} failed: {e!r}"
+    if info.engine_id != engine_id:
+        return f"engine {engine_id} is gone ({url} now serves engine {info.engine_id})"
     ours = _compat(engine.engine)
     if info.compat_hash != compat_hash(ours):
         raise InvalidRequestError(
-            f"prefill engine {info.engine_id} is incompatible with this decode worker: "
+            f"engine {info.engine_id} is incompatible with this worker: "
             f"{explain_mismatch(ours, info.compat)}",
             param="kv_transfer_params",
         )
     await asyncio.wrap_future(engine.call(connector.add_peer, info.layout, info.metadata_bytes()))
-    logger.info("handshake with prefill engine %s at %s", info.engine_id, url)
-    return remote
+    logger.info("handshake with engine %s at %s", info.engine_id, url)
+    return None
 
 
 def _unreachable(state: ServerState, remote: RemotePrefill, why: str) -> None:

@@ -21,7 +21,7 @@ from common.api.errors import APIError, InvalidRequestError, OverloadedError, Se
 from common.engine.async_engine import AsyncEngine
 from common.engine.output import RequestOutput
 from common.engine.sampling_params import SamplingParams
-from common.kv_transfer.params import wants_remote_prefill
+from common.kv_transfer.params import wants_remote_decode, wants_remote_prefill
 
 
 @dataclass
@@ -171,10 +171,13 @@ async def collect(request: Request, outputs: AsyncIterator) -> list | None:
 async def resolve_kv_params(state: ServerState, raw: dict | None) -> dict | None:
     """The request's kv_transfer_params, once a remote prefill's peer is known (handshake);
     None when the prompt will be computed here instead."""
+    from common.api.internal import ensure_peer, ensure_push_target
+
+    if wants_remote_decode(raw) and raw.get("push_to"):
+        await ensure_push_target(state, raw)
+        return raw
     if not wants_remote_prefill(raw):
         return raw
-    from common.api.internal import ensure_peer
-
     return raw if await ensure_peer(state, raw) is not None else None
 
 

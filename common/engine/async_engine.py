@@ -162,6 +162,8 @@ class AsyncEngine:
                 else:
                     self.engine.poll_transfers()  # notifications and leases, while idle
                     self._refresh_stats()
+                    if self.engine.has_unfinished_requests():  # pushed KV just landed
+                        continue
                     self._wake.wait(0.01 if self.engine.has_pending_transfers() else None)
                     self._wake.clear()
         except BaseException as e:  # noqa: BLE001 — every waiting request must hear of it

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -80,6 +81,7 @@ class LLMEngine:
             self.model, self.kv_caches, cc.block_size, Sampler(eos), self.device, self.connector
         )
         self._ready: list[Request] = []  # finished outside a step, reported by the next one
+        self._awaiting: list[tuple[Request, float]] = []  # pushed KV still arriving; deadline
         self.outputs = OutputProcessor(self.tokenizer)
         self._parents: dict[str, _Parent] = {}
         self._held: dict[str, list[Request]] = {}  # first child id → siblings not yet scheduled
@@ -120,9 +122,14 @@ class LLMEngine:
             self._children[child.request_id] = (request_id, i)
             self.outputs.add_request(child)
         first, siblings = parent.children[0], parent.children[1:]
-        self.scheduler.add_request(first)
         if wants_remote_prefill(kv_transfer_params) and self.connector is not None:
             first.remote_prefill = RemotePrefill.parse(kv_transfer_params)
+        if first.remote_prefill and first.remote_prefill.push_reservation_id:
+            deadline = time.monotonic() + self.config.transfer.load_timeout
+            self._awaiting.append((first, deadline))  # scheduled once every layer has landed
+        else:
+            self.scheduler.add_request(first)
+        if first.remote_prefill is not None:
             self._accept_first_token(first)
         if siblings and self.pool.enable_prefix_caching:
             self._held[first.request_id] = siblings
@@ -135,6 +142,9 @@ class LLMEngine:
         parent = self._parents.pop(request_id, None)
         for child in parent.children if parent else []:
             self._held.pop(child.request_id, None)
+            if any(req is child for req, _ in self._awaiting):
+                self._awaiting = [(r, d) for r, d in self._awaiting if r is not child]
+                self._give_back_remote(child)
             self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
             self.outputs.remove(child.request_id)
             self._children.pop(child.request_id, None)
@@ -145,13 +155,52 @@ class LLMEngine:
     def poll_transfers(self) -> None:
         if self.connector is not None:
             self.connector.poll()
+            self._admit_pushed()
+
+    def _admit_pushed(self) -> None:
+        """Schedule requests whose pushed KV has fully landed; past the deadline, recompute or
+        fail them by policy."""
+        still = []
+        for req, deadline in self._awaiting:
+            rid = req.remote_prefill.push_reservation_id
+            state = self.connector.reservation_state(rid)
+            if state == "ready":
+                req.blocks = self.connector.claim_reservation(rid)
+                req.num_computed_tokens = req.num_tokens - 1
+                req.remote_prefill = None
+                self.scheduler.add_request(req)
+            elif state == "gone" or time.monotonic() > deadline:
+                self._give_back_remote(req)
+                self._on_lost_kv(req, f"pushed KV did not arrive (reservation {rid} {state})")
+            else:
+                still.append((req, deadline))
+        self._awaiting = still
+
+    def _on_lost_kv(self, req: Request, why: str) -> None:
+        if self.config.transfer.failure_policy == "recompute":
+            logger.warning("%s: computing %s locally", why, req.request_id)
+            self.scheduler.add_request(req)
+        else:
+            req.error = f"the prompt's KV cache did not arrive from the prefill worker: {why}"
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            self._ready.append(req)
+
+    def _give_back_remote(self, req: Request) -> None:
+        """Free what the remote prefill holds for a request that will not read it."""
+        remote, req.remote_prefill = req.remote_prefill, None
+        if remote is None:
+            return
+        if remote.push_reservation_id:
+            self.connector.release_reservation(remote.push_reservation_id)
+        else:
+            self.connector.notify_release(remote)
 
     def has_pending_transfers(self) -> bool:
         return self.connector is not None and self.connector.has_pending()
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self.poll_transfers()
+        self.poll_transfers()  # also admits requests whose pushed KV has landed
         sched = self.scheduler.schedule()
         ready, self._ready = self._ready, []
         if sched.is_empty:
@@ -189,8 +238,8 @@ class LLMEngine:
         skip_draw(req)
         status, reason = self.scheduler.check_stop(req, remote.first_token_id)
         if status is not None:  # nothing left to generate: no KV needed
-            self.connector.notify_release(remote)
-            req.remote_prefill = None
+            self._awaiting = [(r, d) for r, d in self._awaiting if r is not req]
+            self._give_back_remote(req)
             self.scheduler.finish(req, status, reason)
             self._ready.append(req)
         elif remote.first_token_streamed:
@@ -264,7 +313,7 @@ def _build_connector(config: EngineConfig, pool: BlockPool) -> KVConnector | Non
     if config.transfer.connector == "nixl":
         from common.kv_transfer.nixl_connector import NixlConnector
 
-        return NixlConnector(config.transfer, config.cache.block_size, pool.free)
+        return NixlConnector(config.transfer, config.cache.block_size, pool)
     return None
 
 

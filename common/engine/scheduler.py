@@ -107,15 +107,22 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
-            computed, num_cached = self.kv.get_computed_blocks(req)
-            num_external = self._num_external(req, num_cached)
-            num_new = req.num_tokens - num_cached - num_external
+            preloaded = bool(req.blocks)  # pushed KV: blocks and computed count are set
+            if preloaded:
+                computed, num_cached, num_external = [], 0, 0
+                num_new = req.num_uncomputed_tokens
+            else:
+                computed, num_cached = self.kv.get_computed_blocks(req)
+                num_external = self._num_external(req, num_cached)
+                num_new = req.num_tokens - num_cached - num_external
             if num_new > budget and not self.cfg.enable_chunked_prefill:
                 return
             num_new = min(num_new, budget)
-            req.num_computed_tokens = num_cached + num_external
+            if not preloaded:
+                req.num_computed_tokens = num_cached + num_external
             if not self.kv.allocate_slots(req, num_new, computed):
-                req.num_computed_tokens = 0
+                if not preloaded:
+                    req.num_computed_tokens = 0
                 return
             if self.connector is not None:
                 self.connector.after_allocation(req, num_cached)

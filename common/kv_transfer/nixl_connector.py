@@ -11,6 +11,11 @@ skipped; `start_load_kv` issues one NIXL READ per layer for the rest, and the fo
 decorator waits for each layer just before that layer's attention. After the forward D tells P
 to release the lease. A read that fails or passes `load_timeout` marks the request failed: the
 engine drops its token and recomputes it locally or fails it, by policy.
+
+Push (layer-wise): D first reserves blocks (`reserve`); P, given the reservation as `push_to`,
+WRITEs each layer's blocks from `save_kv_layer` — right after that layer's attention, while the
+next layer computes — and the final chunk's writes carry one notification per layer. D admits
+the request once every layer has reported (`reservation_ready`), on the reserved blocks.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from typing import Any
 from common.config import TransferConfig
 from common.kv_transfer.base import KVConnector
 from common.kv_transfer.leases import LeaseTable
-from common.kv_transfer.params import RemotePrefill, wants_remote_decode
+from common.kv_transfer.params import PushTarget, RemotePrefill, push_target, wants_remote_decode
+from common.kv_transfer.reservations import PUSHED, Reservation, ReservationTable
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +49,18 @@ class LoadPlan:
 
 
 @dataclass
+class PushPlan:
+    request_id: str
+    target: PushTarget
+    local_blocks: list[int]
+    remote_blocks: list[int]
+    is_final: bool  # the prompt completes this step: its writes carry the notifications
+
+
+@dataclass
 class StepMeta:
-    loads: list[LoadPlan]
+    loads: list[LoadPlan] = field(default_factory=list)
+    pushes: list[PushPlan] = field(default_factory=list)
 
 
 @dataclass
@@ -54,15 +70,21 @@ class TransferStats:
     bytes_loaded: int = 0
     seconds_loading: float = 0.0
     descriptors: int = 0
+    bytes_pushed: int = 0
+    num_push_failures: int = 0
     last_load: dict = field(default_factory=dict)
 
 
 class NixlConnector(KVConnector):
-    def __init__(self, cfg: TransferConfig, block_size: int, free_blocks):
+    def __init__(self, cfg: TransferConfig, block_size: int, pool):
         super().__init__()
         self.cfg = cfg
         self.block_size = block_size
-        self.leases = LeaseTable(free_blocks, cfg.lease_timeout)
+        self.leases = LeaseTable(pool.free, cfg.lease_timeout)
+        self.pool = pool
+        self.reservations: ReservationTable | None = None  # set once the layers are known
+        self._pushed_upto: dict[str, int] = {}  # P: blocks of each push request written so far
+        self._writes: list[tuple[PushPlan, Future]] = []
         self.transport = None
         self.layer_index: dict[str, int] = {}
         self.stats = TransferStats()
@@ -76,6 +98,7 @@ class NixlConnector(KVConnector):
 
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         self.transport = NixlTransport(self.cfg.engine_id, list(kv_caches.values()))
+        self.reservations = ReservationTable(self.pool, len(kv_caches), self.cfg.lease_timeout)
 
     def add_peer(self, layout: dict, metadata: bytes) -> None:
         from common.kv_transfer.nixl_transport import KVLayout
@@ -92,6 +115,19 @@ class NixlConnector(KVConnector):
     # -- P: hold blocks for the reader ------------------------------------------------------------
     def request_finished(self, request: Any) -> bool:
         if not wants_remote_decode(request.kv_transfer_params) or not request.output_token_ids:
+            return False
+        self._pushed_upto.pop(request.request_id, None)
+        target = push_target(request.kv_transfer_params)
+        if target is not None:  # pushed already: nothing to hold
+            request.kv_transfer_params_out = RemotePrefill(
+                remote_engine_id=self.cfg.engine_id,
+                remote_block_ids=[],
+                remote_request_id=request.request_id,
+                remote_host=self.cfg.advertise_host,
+                remote_port=self.cfg.advertise_port,
+                first_token_id=request.output_token_ids[0],
+                push_reservation_id=target.reservation_id,
+            ).to_dict()
             return False
         if request.status.name == "FINISHED_ABORTED" or not request.blocks:
             return False
@@ -115,11 +151,31 @@ class NixlConnector(KVConnector):
             logger.debug("notification %r", msg)
             if msg.startswith(RELEASE):
                 self.leases.release(msg[len(RELEASE) :].decode())
+            elif msg.startswith(PUSHED):
+                self.reservations.on_notification(msg)
         for request_id in self.leases.expire():
             logger.warning("lease of %s expired: its blocks are freed", request_id)
+        for reservation_id in self.reservations.expire() if self.reservations else []:
+            logger.warning("reservation %s expired: its blocks are freed", reservation_id)
 
     def has_pending(self) -> bool:
-        return len(self.leases) > 0
+        return len(self.leases) > 0 or bool(self.reservations and len(self.reservations))
+
+    # -- D: reservations for pushes ---------------------------------------------------------------
+    def reserve(self, num_tokens: int) -> Reservation:
+        return self.reservations.reserve(-(-num_tokens // self.block_size))
+
+    def reservation_state(self, reservation_id: str) -> str:
+        """ "ready", "pending" or "gone" (expired, released or never made)."""
+        if self.reservations.is_complete(reservation_id):
+            return "ready"
+        return "pending" if self.reservations.is_known(reservation_id) else "gone"
+
+    def claim_reservation(self, reservation_id: str) -> list:
+        return self.reservations.claim(reservation_id)
+
+    def release_reservation(self, reservation_id: str) -> bool:
+        return self.reservations.release(reservation_id)
 
     # -- D: plan, start and wait for reads -----------------------------------------------------
     def num_external_tokens(self, request: Any, num_local_cached: int) -> int:
@@ -145,7 +201,29 @@ class NixlConnector(KVConnector):
         loads = [
             self._plans.pop(req.request_id) for req, _ in scheduled if req.request_id in self._plans
         ]
-        return StepMeta(loads) if loads else None
+        pushes = [
+            plan
+            for req, num_new in scheduled
+            if (plan := self._push_plan(req, num_new)) is not None
+        ]
+        return StepMeta(loads, pushes) if loads or pushes else None
+
+    def _push_plan(self, req: Any, num_new: int) -> PushPlan | None:
+        """P: the blocks this step fills (from block 0 on the first step, cached ones too)."""
+        target = push_target(req.kv_transfer_params)
+        if target is None or req.num_output_tokens > 0:
+            return None
+        end = req.num_computed_tokens + num_new
+        first = self._pushed_upto.get(req.request_id, 0)
+        last = -(-end // self.block_size)
+        self._pushed_upto[req.request_id] = end // self.block_size
+        return PushPlan(
+            req.request_id,
+            target,
+            req.block_ids[first:last],
+            target.block_ids[first:last],
+            is_final=end == req.num_tokens,
+        )
 
     def start_load_kv(self, ctx) -> None:
         deadline = time.monotonic() + self.cfg.load_timeout
@@ -182,9 +260,36 @@ class NixlConnector(KVConnector):
             self.stats.descriptors += result.num_descriptors
 
     def save_kv_layer(self, layer_name, kv_cache, attn_metadata) -> None:
-        return None  # pull mode: the reader pulls
+        """P, push mode: WRITE this layer's blocks on the transfer thread; return at once."""
+        layer = self.layer_index[layer_name]
+        deadline = time.monotonic() + self.cfg.load_timeout
+        for plan in self.connector_metadata.pushes:
+            notif = (
+                PUSHED + f"{plan.target.reservation_id}:{layer}".encode() if plan.is_final else b""
+            )
+            try:
+                future = self.transport.write_layer(
+                    plan.target.engine_id,
+                    layer,
+                    plan.local_blocks,
+                    plan.remote_blocks,
+                    notif=notif,
+                    deadline=deadline,
+                )
+            except Exception as e:  # noqa: BLE001 — D then times out and recomputes
+                future = Future()
+                future.set_exception(e)
+            self._writes.append((plan, future))
 
     def wait_for_save(self) -> None:
+        for plan, future in self._writes:  # this step's writes land before the next step's
+            try:
+                result = future.result()
+                self.stats.bytes_pushed += result.num_bytes
+            except Exception as e:  # noqa: BLE001 — D's reservation times out; policy there
+                logger.warning("KV push for %s failed: %r", plan.request_id, e)
+                self.stats.num_push_failures += 1
+        self._writes.clear()
         for plan in self.connector_metadata.loads:
             self.stats.num_loads += 1
             self.stats.num_failed += plan.failed

@@ -1,7 +1,9 @@
 """`kv_transfer_params`: the dict that travels P → proxy → D, with vLLM's NIXL field names.
 
 A request to P carries `{"do_remote_decode": true}`; P answers with `RemotePrefill` (where D reads
-the prompt's KV from); the proxy hands that to D. Extra fields ride along: `first_token_id` (P's
+the prompt's KV from); the proxy hands that to D. In push mode the request to P also carries
+`push_to` (`PushTarget`: a reservation on D); P writes the KV there layer by layer and answers
+with `push_reservation_id` instead of blocks to read. Extra fields ride along: `first_token_id` (P's
 sampled first token, which D then treats as generated) and `first_token_streamed` (the proxy
 already sent it to the client, so D's stream starts at the second token).
 """
@@ -26,6 +28,7 @@ class RemotePrefill:
     tp_size: int = 1
     first_token_id: int | None = None
     first_token_streamed: bool = False
+    push_reservation_id: str | None = None  # push mode: the KV was written into these blocks
     do_remote_prefill: bool = True
 
     @classmethod
@@ -42,6 +45,7 @@ class RemotePrefill:
                     None if raw.get("first_token_id") is None else int(raw["first_token_id"])
                 ),
                 first_token_streamed=bool(raw.get("first_token_streamed", False)),
+                push_reservation_id=raw.get("push_reservation_id"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise KVTransferParamsError(
@@ -58,3 +62,38 @@ def wants_remote_decode(raw: dict[str, Any] | None) -> bool:
 
 def wants_remote_prefill(raw: dict[str, Any] | None) -> bool:
     return bool(raw) and bool(raw.get("do_remote_prefill"))
+
+
+@dataclass(frozen=True)
+class PushTarget:
+    """Push mode: where P writes a prompt's KV (a decode worker's reservation)."""
+
+    engine_id: str
+    reservation_id: str
+    block_ids: list[int]
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any]) -> PushTarget:
+        try:
+            return cls(
+                engine_id=str(raw["engine_id"]),
+                reservation_id=str(raw["reservation_id"]),
+                block_ids=[int(b) for b in raw["block_ids"]],
+                host=str(raw["host"]),
+                port=int(raw["port"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise KVTransferParamsError(
+                f"kv_transfer_params.push_to is incomplete or malformed: {e!r}"
+            ) from e
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def push_target(raw: dict[str, Any] | None) -> PushTarget | None:
+    if not wants_remote_decode(raw) or not raw.get("push_to"):
+        return None
+    return PushTarget.parse(raw["push_to"])
