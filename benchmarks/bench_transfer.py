@@ -1,4 +1,5 @@
-"""KV transfer over NIXL: the raw transport vs a memory copy, and P→D pull TTFT vs colocated.
+"""KV transfer over NIXL: the raw transport vs a memory copy, P→D TTFT (pull and push) vs
+colocated, and how much of the transfer each mode exposes.
 
 1. Raw transport, in this process and before any server starts: two NixlTransports over KV
    tensors shaped like SmolLM2's (30 layers of (2, 600, 16, 3, 64) fp32); READ of every layer of
@@ -9,7 +10,9 @@
    streamed, no kv params. Every request has a fresh random prompt; one warm-up per length.
    D's /metrics counters give each load's bytes and seconds (from the first READ issued to the
    end of the forward that waited for it). Exposed transfer: D's first chunk minus P's answer
-   (D's HTTP round trip, the reads and one decode step). Medians of `--repeats`.
+   (D's HTTP round trip, the reads and one decode step). Push: reserve on D, P prefills with the
+   reservation and WRITEs each layer as it computes, then D decodes; its exposed time is the same
+   difference with nothing left to read. Medians of `--repeats`.
 
     python benchmarks/bench_transfer.py [--prompt-lens 512 2048] [--repeats 3] [--raw-repeats 10]
 """
@@ -45,7 +48,6 @@ NUM_BLOCKS = 600
 VOCAB_LOW, VOCAB_HIGH = 100, 49152
 SERVER_ARGS = ["--max-model-len", "4096", "--num-blocks", str(NUM_BLOCKS), "--log-level", "warning"]
 D_MAX_TOKENS = 4  # P's first token + a few decoded by D
-PUSH = "not built yet"
 
 
 # -- 1. raw transport ----------------------------------------------------------------------------
@@ -123,10 +125,21 @@ class PullSample:
 
 
 @dataclass
+class PushSample:
+    p_answer_s: float  # P answered: every layer was written into D's reservation
+    d_first_s: float
+
+    @property
+    def exposed_s(self) -> float:
+        return self.d_first_s - self.p_answer_s
+
+
+@dataclass
 class E2ERow:
     prompt_len: int
     colocated: list[float]
     pulls: list[PullSample]
+    pushes: list[PushSample]
 
 
 def bench_e2e(prompt_lens: list[int], repeats: int, model_args: list[str]) -> list[E2ERow]:
@@ -162,7 +175,9 @@ def _e2e_row(client, p_url, d_url, prompt_len, repeats, gen) -> E2ERow:
     pull_ttft(client, p_url, d_url, body())
     colocated = [colocated_ttft(client, d_url, body()) for _ in range(repeats)]
     pulls = [pull_ttft(client, p_url, d_url, body()) for _ in range(repeats)]
-    return E2ERow(prompt_len, colocated, pulls)
+    push_ttft(client, p_url, d_url, body())  # warm-up (P's handshake with D)
+    pushes = [push_ttft(client, p_url, d_url, body()) for _ in range(repeats)]
+    return E2ERow(prompt_len, colocated, pulls, pushes)
 
 
 def colocated_ttft(client: httpx.Client, d_url: str, body: dict) -> float:
@@ -194,6 +209,26 @@ def pull_ttft(client: httpx.Client, p_url: str, d_url: str, body: dict) -> PullS
     )
 
 
+def push_ttft(client: httpx.Client, p_url: str, d_url: str, body: dict) -> PushSample:
+    """Reserve on D, prefill on P with the reservation (layer-wise WRITEs), decode on D."""
+    start = time.perf_counter()
+    r = client.post(f"{d_url}/internal/kv/reserve", json={"num_tokens": len(body["prompt"])})
+    r.raise_for_status()
+    to_p = {
+        **body,
+        "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True, "push_to": r.json()},
+    }
+    r = client.post(f"{p_url}/v1/completions", json=to_p)
+    r.raise_for_status()
+    p_answer = time.perf_counter()
+    params = r.json()["kv_transfer_params"]
+    assert params.get("push_reservation_id"), f"P did not push: {r.text}"
+    d_first, tokens = first_chunk(client, d_url, {**body, "kv_transfer_params": params})
+    assert tokens[0] == params["first_token_id"], "D's first chunk is not P's first token"
+    return PushSample(p_answer - start, d_first - start)
+
+
 def first_chunk(client: httpx.Client, url: str, body: dict) -> tuple[float, list[int]]:
     """(perf_counter() when the first streamed chunk with a choice arrives, its token ids);
     reads the stream to its end."""
@@ -221,23 +256,22 @@ def print_raw(rows: list[RawRow], repeats: int) -> None:
     print(f"\n### Raw transport: READ of {NUM_LAYERS} layers vs torch copy (median of {repeats})\n")
     print(
         "| prompt tokens | blocks | descriptors | MiB | NIXL READ GB/s | torch copy GB/s"
-        " | ratio (goal ≥ 0.6) | push |"
+        " | ratio (goal ≥ 0.6) |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         read, copy = r.num_bytes / r.read_s / 1e9, r.num_bytes / r.copy_s / 1e9
         cells = [r.prompt_len, r.num_blocks, r.num_descriptors, f"{r.num_bytes / 2**20:.1f}"]
-        _print_row([*cells, f"{read:.2f}", f"{copy:.2f}", f"{read / copy:.2f}", PUSH])
+        _print_row([*cells, f"{read:.2f}", f"{copy:.2f}", f"{read / copy:.2f}"])
 
 
 def print_e2e(rows: list[E2ERow], repeats: int) -> None:
     print(f"\n### End to end over HTTP: P→D pull vs colocated (median of {repeats}, ms)\n")
     print(
         "| prompt tokens | colocated TTFT | P's answer | D's first chunk (pull TTFT)"
-        " | pull / colocated | exposed transfer | D's load | load GB/s | MiB | descriptors"
-        " | push |"
+        " | pull / colocated | exposed transfer | D's load | load GB/s | MiB | descriptors |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         colocated, pull = statistics.median(r.colocated), _median(r.pulls, "d_first_s")
         ms = [f"{_median(r.pulls, k) * 1e3:.0f}" for k in ("p_answer_s", "d_first_s")]
@@ -247,9 +281,24 @@ def print_e2e(rows: list[E2ERow], repeats: int) -> None:
         mib = _median(r.pulls, "num_bytes") / 2**20
         size = [f"{mib:.1f}", f"{_median(r.pulls, 'num_descriptors'):.0f}"]
         _print_row(
-            [r.prompt_len, f"{colocated * 1e3:.0f}", *ms, ratio, *load, f"{gbps:.2f}", *size, PUSH]
+            [r.prompt_len, f"{colocated * 1e3:.0f}", *ms, ratio, *load, f"{gbps:.2f}", *size]
         )
-    print(f"\npush: {PUSH}")
+    print(f"\n### Pull vs push over HTTP (median of {repeats}, ms)\n")
+    print(
+        "| prompt tokens | colocated TTFT | pull TTFT | push TTFT | pull exposed | push exposed"
+        " | push exposed / pull exposed |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        pull_ex, push_ex = _median(r.pulls, "exposed_s"), _median(r.pushes, "exposed_s")
+        cells = [
+            statistics.median(r.colocated),
+            _median(r.pulls, "d_first_s"),
+            _median(r.pushes, "d_first_s"),
+            pull_ex,
+            push_ex,
+        ]
+        _print_row([r.prompt_len, *(f"{c * 1e3:.0f}" for c in cells), f"{push_ex / pull_ex:.2f}"])
 
 
 def _print_row(cells: list) -> None:

@@ -98,7 +98,7 @@ class TransferConfig:
     failure_policy: str = "recompute"  # D: when KV does not arrive: "fail" or "recompute"
 
     def __post_init__(self) -> None:
-        if self.connector not in (None, "nixl"):
+        if self.connector not in (None, "nixl"):  # common.kv_transfer.CONNECTORS
             raise ValueError(f"kv_connector must be nixl or none, got {self.connector!r}")
         if self.failure_policy not in ("fail", "recompute"):
             raise ValueError(

@@ -147,3 +147,17 @@ def test_prefill_killed_before_read(start_server, model, policy):
     else:
         assert r.status_code == 500 and "did not arrive" in r.json()["error"]["message"]
     assert wait_until(lambda: d.metric("pdserve_kv_blocks_used") == 0)
+
+
+def test_client_abort_after_the_transfer_frees_both_pools(pd):
+    p, d = pd
+    body = dict(prompt=prompts()[17], temperature=0, ignore_eos=True)
+    params = prefill(p, body)
+    stream = {**body, "max_tokens": 100, "stream": True, "kv_transfer_params": params}
+    with httpx.stream("POST", f"{d.url}/v1/completions", json=stream, timeout=30) as r:
+        lines = r.iter_lines()
+        assert any(next(lines).startswith("data: {") for _ in range(4))
+    # the read finished before the first token: P's lease is released, D aborts on disconnect
+    assert wait_until(lambda: d.metric("pdserve_num_requests_running") == 0)
+    assert wait_until(lambda: d.metric("pdserve_kv_blocks_used") == 0)
+    assert wait_until(lambda: p.metric("pdserve_kv_blocks_used") == 0)

@@ -32,7 +32,7 @@ def reserve(d, num_tokens: int) -> dict:
 def test_push_equals_colocated(pd, mode):
     p, d = pd
     sampling = dict(temperature=0) if mode == "greedy" else dict(temperature=0.9, seed=11)
-    for prompt in prompts()[::2]:
+    for prompt in prompts():
         body = dict(
             prompt=prompt, max_tokens=10, ignore_eos=True, return_token_ids=True, **sampling
         )

@@ -28,6 +28,7 @@ from common.engine.scheduler import Scheduler
 from common.kv_cache.block_pool import BlockPool
 from common.kv_cache.manager import KVCacheManager
 from common.kv_cache.tensors import allocate_kv_caches, num_blocks_for_memory
+from common.kv_transfer import create_connector
 from common.kv_transfer.base import KVConnector
 from common.kv_transfer.params import RemotePrefill, wants_remote_prefill
 from common.model.hf_config import load_arch_config
@@ -74,7 +75,7 @@ class LLMEngine:
         self.pool = BlockPool(self.num_blocks, cc.enable_prefix_caching)
         eos = tuple(sorted(set(self.arch.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.eos_token_ids = eos
-        self.connector = connector or _build_connector(config, self.pool)
+        self.connector = connector or create_connector(config.transfer, cc.block_size, self.pool)
         kv = KVCacheManager(self.pool, cc.block_size)
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len, eos, self.connector)
         self.runner = ModelRunner(
@@ -307,14 +308,6 @@ class LLMEngine:
                 f"{self.max_model_len} (the prompt plus one output token must fit)"
             )
         return text, token_ids
-
-
-def _build_connector(config: EngineConfig, pool: BlockPool) -> KVConnector | None:
-    if config.transfer.connector == "nixl":
-        from common.kv_transfer.nixl_connector import NixlConnector
-
-        return NixlConnector(config.transfer, config.cache.block_size, pool)
-    return None
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -1,0 +1,25 @@
+"""KV transfer between workers: the `KVConnector` interface and a registry of connectors.
+
+`create_connector(config, block_size, pool)` builds the connector named by
+`TransferConfig.connector` (None: no transfer, colocated serving only).
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+from common.config import TransferConfig
+from common.kv_cache.block_pool import BlockPool
+from common.kv_transfer.base import KVConnector
+
+# name → "module:class", imported on use (NIXL loads a native library and torch on import)
+CONNECTORS = {"nixl": "common.kv_transfer.nixl_connector:NixlConnector"}
+
+
+def create_connector(
+    config: TransferConfig, block_size: int, pool: BlockPool
+) -> KVConnector | None:
+    if config.connector is None:
+        return None
+    module, _, cls = CONNECTORS[config.connector].partition(":")
+    return getattr(import_module(module), cls)(config, block_size, pool)
