@@ -38,3 +38,14 @@ def start_server(tmp_path_factory):
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """The tiny test tokenizer (byte-level BPE, ChatML template)."""
+    from common.tokenizer import Tokenizer
+    from tests.tiny_tokenizer import write_tiny_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny_tokenizer")
+    write_tiny_tokenizer(folder)
+    return Tokenizer.from_dir(folder)

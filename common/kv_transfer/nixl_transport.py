@@ -29,107 +29,20 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from common.kv_transfer.layout import KVLayout, check_kv_caches
+from common.kv_transfer.nixl_agent import create_agent
+
 logger = logging.getLogger(__name__)
 
-_MEM_TYPES = {"cpu": "DRAM", "cuda": "VRAM"}
 _MIN_POLL_S = 50e-6  # poll backoff while transfers are in flight: 50 µs doubling up to 1 ms
 _MAX_POLL_S = 1e-3
-_AGENT_CREATION_LOCK = threading.Lock()
 _NOTHING = object()  # the queue had no item
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """What a peer needs to address our KV cache; JSON-serialisable via to_dict / from_dict."""
-
-    engine_id: str
-    agent_name: str
-    base_addrs: tuple[int, ...]  # per layer: data_ptr of its (2, num_blocks, ...) tensor
-    num_blocks: int
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    block_len: int  # bytes of one block's K (or V) in one layer
-    device: str  # "cpu" | "cuda"
-    device_id: int = 0
-
-    def __post_init__(self) -> None:
-        if len(self.base_addrs) != self.num_layers:
-            raise ValueError(f"{len(self.base_addrs)} base addresses for {self.num_layers} layers")
-        if self.device not in _MEM_TYPES:
-            raise ValueError(f"device must be one of {sorted(_MEM_TYPES)}, got {self.device!r}")
-
-    @property
-    def mem_type(self) -> str:
-        return _MEM_TYPES[self.device]
-
-    @classmethod
-    def of(cls, engine_id: str, agent_name: str, kv_caches: Sequence[torch.Tensor]) -> KVLayout:
-        _check_kv_caches(kv_caches)
-        first = kv_caches[0]
-        _, num_blocks, block_size, num_kv_heads, head_dim = first.shape
-        return cls(
-            engine_id=engine_id,
-            agent_name=agent_name,
-            base_addrs=tuple(t.data_ptr() for t in kv_caches),
-            num_blocks=num_blocks,
-            num_layers=len(kv_caches),
-            block_size=block_size,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            dtype=str(first.dtype).removeprefix("torch."),
-            block_len=first[0, 0].numel() * first.element_size(),
-            device=first.device.type,
-            device_id=first.device.index or 0,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "base_addrs": list(self.base_addrs)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> KVLayout:
-        return cls(**{**data, "base_addrs": tuple(data["base_addrs"])})
-
-    def block_descs(self) -> np.ndarray:
-        """(num_layers * 2 * num_blocks, 3) rows of (addr, len, device id), in index order."""
-        offsets = np.arange(2 * self.num_blocks, dtype=np.uint64) * np.uint64(self.block_len)
-        addrs = np.asarray(self.base_addrs, dtype=np.uint64)[:, None] + offsets[None, :]
-        descs = np.empty((addrs.size, 3), dtype=np.uint64)
-        descs[:, 0], descs[:, 1], descs[:, 2] = addrs.reshape(-1), self.block_len, self.device_id
-        return descs
-
-    def layer_indices(self, layer: int, blocks: Sequence[int]) -> np.ndarray:
-        """Descriptor indices of `blocks` in `layer`: all K blocks, then all V blocks."""
-        ids = np.asarray(blocks, dtype=np.int64)
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
-        if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
-            raise ValueError(f"block ids out of range [0, {self.num_blocks}) for {self.engine_id}")
-        k = layer * 2 * self.num_blocks + ids
-        return np.concatenate([k, k + self.num_blocks]).astype(np.int32)
-
-
-def _check_kv_caches(kv_caches: Sequence[torch.Tensor]) -> None:
-    if not kv_caches:
-        raise ValueError("no KV cache tensors")
-    first = kv_caches[0]
-    if first.dim() != 5 or first.shape[0] != 2:
-        raise ValueError(
-            f"expected (2, num_blocks, block_size, heads, head_dim), got {first.shape}"
-        )
-    for t in kv_caches:
-        if (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device):
-            raise ValueError("all layers' KV tensors must share shape, dtype and device")
-        if not t.is_contiguous():
-            raise ValueError("KV cache tensors must be contiguous")
 
 
 class TransferError(ConnectionError):
@@ -173,9 +86,9 @@ class NixlTransport:
     def __init__(
         self, engine_id: str, kv_caches: Sequence[torch.Tensor], progress_delay_us: int = 1000
     ) -> None:
-        _check_kv_caches(kv_caches)
+        check_kv_caches(kv_caches)
         agent_name = f"{engine_id}-{uuid.uuid4().hex[:8]}"
-        self._agent = _create_agent(agent_name, progress_delay_us)
+        self._agent = create_agent(agent_name, progress_delay_us)
         self.layout = KVLayout.of(engine_id, agent_name, kv_caches)
         self._kv_caches = list(kv_caches)  # registered memory must outlive the agent's use of it
         self._registered = self._agent.register_memory(self._kv_caches)
@@ -443,48 +356,3 @@ def _as_transfer_error(job: _Job, exc: Exception) -> Exception:
     error = TransferError(f"{job.op} with {job.peer} failed: {exc!r}")
     error.__cause__ = exc
     return error
-
-
-class _DelayedBind:
-    """Stands in for the wrapper's `nixlBind` module while one agent is created.
-
-    NOTE: the Python wrapper hard-codes the progress thread's delay to 0 µs, so an idle agent
-    spins a whole core; this sets `pthrDelay` on the config on its way to the C++ agent.
-    """
-
-    def __init__(self, real: Any, delay_us: int) -> None:
-        self._real = real
-        self._delay_us = delay_us
-        self.is_used = False
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
-
-    def nixlAgent(self, name: str, config: Any) -> Any:  # noqa: N802 — the binding's name
-        config.pthrDelay = self._delay_us
-        self.is_used = True
-        return self._real.nixlAgent(name, config)
-
-
-def _create_agent(name: str, progress_delay_us: int) -> Any:
-    api = _import_nixl_api()
-    # RW: transfers and notifications share the agent across threads; peer changes are exclusive.
-    config = api.nixl_agent_config(sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
-    with _AGENT_CREATION_LOCK:
-        real = api.nixlBind
-        api.nixlBind = proxy = _DelayedBind(real, progress_delay_us)
-        try:
-            agent = api.nixl_agent(name, config)
-        finally:
-            api.nixlBind = real
-    if not proxy.is_used:
-        logger.warning("could not set NIXL's progress-thread delay: an idle agent spins a core")
-    return agent
-
-
-def _import_nixl_api() -> Any:
-    try:
-        import nixl._api as api
-    except ImportError:
-        import nixl_cu12._api as api
-    return api
