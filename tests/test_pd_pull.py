@@ -161,3 +161,37 @@ def test_client_abort_after_the_transfer_frees_both_pools(pd):
     assert wait_until(lambda: d.metric("pdserve_num_requests_running") == 0)
     assert wait_until(lambda: d.metric("pdserve_kv_blocks_used") == 0)
     assert wait_until(lambda: p.metric("pdserve_kv_blocks_used") == 0)
+
+
+def test_decode_reads_only_the_blocks_it_lacks(start_server, model, pd):
+    p, _ = pd
+    d = start_server("decode", "--model", model, "--num-blocks", "256", "--max-model-len", "256")
+    shared = prompts()[19][:64]  # four full blocks D will have cached
+    body = dict(
+        prompt=shared + prompts()[18][:40],
+        temperature=0,
+        max_tokens=6,
+        ignore_eos=True,
+        return_token_ids=True,
+    )
+    complete(d.url, dict(prompt=shared + [7, 7], max_tokens=1))  # D caches the shared blocks
+    colocated = complete(d.url, body)["choices"][0]["token_ids"]
+    block_bytes = 2 * 16 * 2 * 16 * 4 * 3  # K+V x block x kv heads x head dim x fp32 x layers
+
+    def loaded() -> float:
+        return d.metric("pdserve_kv_transfer_bytes_total")
+
+    before = loaded()
+    params = prefill(p, body)
+    out = complete(d.url, {**body, "kv_transfer_params": params})["choices"][0]
+    assert out["token_ids"] == colocated
+    # 104 prompt tokens = 7 blocks; 6 are cached (4 shared + 2 from the colocated run): 1 read
+    assert loaded() - before == 1 * block_bytes
+    # a full hit (a 96-token prompt whose 6 blocks D has) reads nothing and still releases P
+    body = {**body, "prompt": body["prompt"][:96]}
+    colocated = complete(d.url, body)["choices"][0]["token_ids"]
+    before = loaded()
+    out = complete(d.url, {**body, "kv_transfer_params": prefill(p, body)})["choices"][0]
+    assert out["token_ids"] == colocated and loaded() == before
+    assert d.metric("pdserve_kv_transfers_total") == 2
+    assert wait_until(lambda: p.metric("pdserve_kv_blocks_used") == 0)

@@ -89,6 +89,10 @@ class ServerMetrics:
                 ("kv_transfer_seconds", "Seconds from the first read issued to the load done"),
                 ("kv_transfer_descriptors", "NIXL descriptors in KV loads (before merging)"),
                 ("kv_lease_expiries", "Held prefill blocks freed because their lease expired"),
+                ("kv_push_bytes", "Bytes of KV pushed (WRITE) to decode workers"),
+                ("kv_push_seconds", "Seconds from a step's first KV WRITE to its last landing"),
+                ("kv_push_exposed_seconds", "Of kv_push_seconds, the part after the forward"),
+                ("kv_push_failures", "KV WRITEs that failed or timed out"),
             )
         }
         self.blocks_held = Gauge(

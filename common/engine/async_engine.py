@@ -49,6 +49,10 @@ class EngineStats:
     kv_transfer_seconds: float = 0.0
     kv_transfer_descriptors: int = 0
     kv_lease_expiries: int = 0
+    kv_push_bytes: int = 0
+    kv_push_seconds: float = 0.0
+    kv_push_exposed_seconds: float = 0.0
+    kv_push_failures: int = 0
     kv_blocks_held: int = 0
 
 
@@ -225,5 +229,9 @@ class AsyncEngine:
             kv_transfer_seconds=transfer.seconds_loading if transfer else 0.0,
             kv_transfer_descriptors=transfer.descriptors if transfer else 0,
             kv_lease_expiries=leases.num_expired if leases is not None else 0,
+            kv_push_bytes=transfer.bytes_pushed if transfer else 0,
+            kv_push_seconds=transfer.seconds_pushing if transfer else 0.0,
+            kv_push_exposed_seconds=transfer.seconds_push_exposed if transfer else 0.0,
+            kv_push_failures=transfer.num_push_failures if transfer else 0,
             kv_blocks_held=leases.num_blocks_held if leases is not None else 0,
         )

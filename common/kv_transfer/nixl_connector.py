@@ -72,6 +72,8 @@ class TransferStats:
     descriptors: int = 0
     bytes_pushed: int = 0
     num_push_failures: int = 0
+    seconds_pushing: float = 0.0  # from a step's first WRITE to its last one landing
+    seconds_push_exposed: float = 0.0  # of that, after the forward ended (not hidden by compute)
     last_load: dict = field(default_factory=dict)
 
 
@@ -85,6 +87,7 @@ class NixlConnector(KVConnector):
         self.reservations: ReservationTable | None = None  # set once the layers are known
         self._pushed_upto: dict[str, int] = {}  # P: blocks of each push request written so far
         self._writes: list[tuple[PushPlan, Future]] = []
+        self._push_started = 0.0
         self.transport = None
         self.layer_index: dict[str, int] = {}
         self.stats = TransferStats()
@@ -263,6 +266,8 @@ class NixlConnector(KVConnector):
         """P, push mode: WRITE this layer's blocks on the transfer thread; return at once."""
         layer = self.layer_index[layer_name]
         deadline = time.monotonic() + self.cfg.load_timeout
+        if not self._writes:
+            self._push_started = time.perf_counter()
         for plan in self.connector_metadata.pushes:
             notif = (
                 PUSHED + f"{plan.target.reservation_id}:{layer}".encode() if plan.is_final else b""
@@ -282,6 +287,7 @@ class NixlConnector(KVConnector):
             self._writes.append((plan, future))
 
     def wait_for_save(self) -> None:
+        exposed_from = time.perf_counter()
         for plan, future in self._writes:  # this step's writes land before the next step's
             try:
                 result = future.result()
@@ -289,6 +295,10 @@ class NixlConnector(KVConnector):
             except Exception as e:  # noqa: BLE001 — D's reservation times out; policy there
                 logger.warning("KV push for %s failed: %r", plan.request_id, e)
                 self.stats.num_push_failures += 1
+        if self._writes:
+            done = time.perf_counter()
+            self.stats.seconds_pushing += done - self._push_started
+            self.stats.seconds_push_exposed += done - exposed_from
         self._writes.clear()
         for plan in self.connector_metadata.loads:
             self.stats.num_loads += 1
