@@ -14,9 +14,11 @@ from tests.test_pd_pull import complete, prompts
 @pytest.fixture(scope="module")
 def pd(start_server, tiny_model):
     common = ["--model", str(tiny_model("llama")), "--num-blocks", "256", "--max-model-len", "256"]
-    # P prefills in chunks of 32 tokens: long prompts are pushed over several steps
-    p = start_server("prefill", *common, "--max-num-batched-tokens", "32")
-    d = start_server("decode", *common, "--no-prefix-caching", "--kv-lease-timeout", "2")
+    # P prefills in chunks of 32 tokens: long prompts are pushed over several steps. D's
+    # colocated reference chunks the same way, so both compute the prompt identically.
+    chunks = ["--max-num-batched-tokens", "32", "--no-prefix-caching"]
+    p = start_server("prefill", *common, *chunks)
+    d = start_server("decode", *common, *chunks, "--kv-lease-timeout", "2")
     return p, d
 
 

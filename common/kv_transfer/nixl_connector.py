@@ -235,17 +235,14 @@ class NixlConnector(KVConnector):
             if not plan.local_blocks:  # a full local prefix hit: nothing to read
                 continue
             for layer in range(len(self.layer_index)):
-                try:
-                    future = self.transport.read_layer(
-                        plan.remote.remote_engine_id,
-                        layer,
-                        plan.local_blocks,
-                        plan.remote_blocks,
-                        deadline=deadline,
-                    )
-                except Exception as e:  # noqa: BLE001 — e.g. an unknown peer: the load fails
-                    future = Future()
-                    future.set_exception(e)
+                future = _submit(
+                    self.transport.read_layer,
+                    plan.remote.remote_engine_id,
+                    layer,
+                    plan.local_blocks,
+                    plan.remote_blocks,
+                    deadline=deadline,
+                )
                 self._futures[layer].append((plan, future))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -272,18 +269,15 @@ class NixlConnector(KVConnector):
             notif = (
                 PUSHED + f"{plan.target.reservation_id}:{layer}".encode() if plan.is_final else b""
             )
-            try:
-                future = self.transport.write_layer(
-                    plan.target.engine_id,
-                    layer,
-                    plan.local_blocks,
-                    plan.remote_blocks,
-                    notif=notif,
-                    deadline=deadline,
-                )
-            except Exception as e:  # noqa: BLE001 — D then times out and recomputes
-                future = Future()
-                future.set_exception(e)
+            future = _submit(
+                self.transport.write_layer,
+                plan.target.engine_id,
+                layer,
+                plan.local_blocks,
+                plan.remote_blocks,
+                notif=notif,
+                deadline=deadline,
+            )
             self._writes.append((plan, future))
 
     def wait_for_save(self) -> None:
@@ -328,3 +322,14 @@ class NixlConnector(KVConnector):
                 remote.remote_engine_id,
                 e,
             )
+
+
+def _submit(transfer, *args, **kwargs) -> Future:
+    """Start a transfer; one refused at once (an unknown peer, a closed transport) becomes a
+    failed Future, handled like one that failed on the wire."""
+    try:
+        return transfer(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 — reported through the Future
+        future: Future = Future()
+        future.set_exception(e)
+        return future
