@@ -142,3 +142,23 @@ def test_metrics_exposed(server):
     ):
         assert name in text, name
     assert 'status="200"' in text
+
+
+def test_streamed_logprobs_cover_each_delta(client):
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    entries = [
+        t
+        for c in stream
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
+    assert len(entries) == 8 and all(len(t.top_logprobs) == 2 for t in entries)

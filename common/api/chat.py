@@ -116,16 +116,13 @@ async def _stream(
                 if not (c.delta_text or c.delta_token_ids or c.finish_reason):
                     continue
                 num_tokens += len(c.delta_token_ids)
-                new = (
-                    c.logprobs[len(c.logprobs) - len(c.delta_token_ids) :]
-                    if (c.logprobs is not None and c.delta_token_ids)
-                    else []
-                )
                 yield chunk(
                     ChatStreamChoice(
                         index=c.index,
                         delta=DeltaMessage(content=c.delta_text or None),
-                        logprobs=chat_logprobs(tokenizer, new) if req.logprobs else None,
+                        logprobs=chat_logprobs(tokenizer, c.delta_logprobs)
+                        if req.logprobs
+                        else None,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
                         token_ids=c.delta_token_ids if req.return_token_ids else None,

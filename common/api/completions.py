@@ -120,13 +120,8 @@ async def _stream(
                     continue
                 index = job.choice_offset + c.index
                 first = index not in num_chars
-                new_tokens = (
-                    c.logprobs[len(c.logprobs) - len(c.delta_token_ids) :]
-                    if (c.logprobs is not None and c.delta_token_ids)
-                    else []
-                )
                 logprobs = (
-                    completion_logprobs(tokenizer, new_tokens, num_chars.get(index, 0))
+                    completion_logprobs(tokenizer, c.delta_logprobs, num_chars.get(index, 0))
                     if req.logprobs is not None
                     else None
                 )

@@ -25,6 +25,13 @@ class CompletionOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
 
+    @property
+    def delta_logprobs(self) -> list[SampledToken]:
+        """Logprobs of `delta_token_ids` (empty when none were requested)."""
+        if not self.logprobs or not self.delta_token_ids:
+            return []
+        return self.logprobs[len(self.logprobs) - len(self.delta_token_ids) :]
+
 
 @dataclass
 class RequestOutput:
