@@ -1,5 +1,5 @@
-"""`python -m proxy`: the OpenAI front door over prefill and decode pools (the proxy issue)."""
+"""`python -m proxy --prefill URL [...] --decode URL [...] --port N` (see `--help`)."""
 
-import sys
+from proxy.server import main
 
-sys.exit("proxy: not built yet — the engine runs offline: python -m common.engine PROMPT")
+main()

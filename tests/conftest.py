@@ -33,7 +33,7 @@ def start_server(tmp_path_factory):
         log = tmp_path_factory.mktemp("logs") / f"{role}.log"
         server = ServerProcess(role, list(args), log)
         started.append(server)
-        return server.wait_ready()
+        return server.wait_ready(path="/ready" if role == "proxy" else "/health")
 
     yield start
     for server in started:

@@ -27,19 +27,20 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", f"{role}_server", "--port", str(self.port), *args]
+        module = "proxy" if role == "proxy" else f"{role}_server"
+        cmd = [sys.executable, "-m", module, "--port", str(self.port), *args]
         self._log = open(log_path, "wb")  # noqa: SIM115 — closed in stop()
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT
         )
 
-    def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
+    def wait_ready(self, timeout: float = 120.0, path: str = "/health") -> ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                if httpx.get(f"{self.url}{path}", timeout=1).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -49,12 +50,14 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 
-    def metric(self, name: str) -> float:
-        """The value of an unlabelled metric from /metrics."""
+    def metric(self, name: str, default: float | None = None) -> float:
+        """A sample from /metrics: `name` or `name{label="value",...}` as exposed."""
         text = httpx.get(f"{self.url}/metrics", timeout=5).text
         for line in text.splitlines():
             if line.startswith(name + " "):
-                return float(line.split()[1])
+                return float(line.rsplit(" ", 1)[1])
+        if default is not None:
+            return default
         raise KeyError(name)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:

@@ -102,7 +102,7 @@ def build_app(cfg: ServerConfig, engine_factory: Callable[[], LLMEngine]) -> Fas
 
     app = FastAPI(title=f"pdserve {cfg.role} worker", lifespan=lifespan)
     app.state.server = state
-    _install_error_handlers(app)
+    install_error_handlers(app)
     _install_request_ids(app, state)
     _install_basic_routes(app, state)
     from common.api.internal import install_internal_routes
@@ -140,7 +140,7 @@ def error_response(err: APIError) -> JSONResponse:
     )
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
         return error_response(exc)

@@ -25,6 +25,7 @@ from common.api.serving import (
     collect,
     final_kv_params,
     new_request_id,
+    num_tokens_sent_before,
     resolve_kv_params,
     run_jobs,
     sse,
@@ -93,7 +94,7 @@ async def _stream(
 ) -> AsyncIterator[str]:
     tokenizer = state.engine.engine.tokenizer
     started: set[int] = set()
-    num_tokens = 0
+    num_tokens = num_tokens_sent_before(job)
 
     def chunk(choice: ChatStreamChoice, **extra) -> str:
         body = ChatCompletionStreamResponse(

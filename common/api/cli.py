@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ class ServerConfig:
     max_waiting: int = 1024
     max_body_bytes: int = 4 << 20
     drain_timeout: float = 30.0
+    internal_token: str | None = None  # required by the internal routes when set
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -159,6 +161,12 @@ def build_parser(role: str) -> argparse.ArgumentParser:
         choices=["fail", "recompute"],
         help="decode: when KV does not arrive, fail the request or compute the prompt locally",
     )
+    add(
+        "--internal-token",
+        default=os.environ.get("PDSERVE_INTERNAL_TOKEN"),
+        help="cluster token: internal routes (handshake, reserve, release) refuse requests "
+        "without it, and peers are sent it (default: env PDSERVE_INTERNAL_TOKEN)",
+    )
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -202,6 +210,7 @@ def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, 
             max_waiting=a.max_waiting,
             max_body_bytes=a.max_body_bytes,
             drain_timeout=a.drain_timeout,
+            internal_token=a.internal_token or None,
             log_level=a.log_level,
         )
     except ValueError as e:

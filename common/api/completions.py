@@ -28,6 +28,7 @@ from common.api.serving import (
     collect,
     final_kv_params,
     new_request_id,
+    num_tokens_sent_before,
     resolve_kv_params,
     run_jobs,
     sse,
@@ -112,7 +113,7 @@ async def _stream(
 ) -> AsyncIterator[str]:
     tokenizer = state.engine.engine.tokenizer
     num_chars: dict[int, int] = {}
-    num_tokens = 0
+    num_tokens = num_tokens_sent_before(jobs[0])
     try:
         async for job, out in outputs:
             for c in out.outputs:

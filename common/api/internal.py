@@ -4,8 +4,12 @@
   hash, for a peer that will read from (or write to) its KV cache.
 - `POST /internal/kv/release` `{"request_id"}` or `{"reservation_id"}`: end a prefill lease or
   a push reservation early (the other side gave up).
-- `POST /internal/kv/reserve` `{"num_tokens"}`: a decode worker reserves blocks for a push and
+- `POST /internal/kv/reserve` `{"num_tokens"}` (or `{"completion": body}` / `{"chat": body}`, a
+  client's request that this worker tokenizes): a decode worker reserves blocks for a push and
   answers the `push_to` target a prefill worker writes into.
+
+With `--internal-token`, every internal route refuses a request without the header
+`X-Internal-Token: TOKEN` (401), and this worker sends it to its peers.
 
 `ensure_peer` runs on a decode worker before it admits a remote-prefill request: it handshakes
 with the prefill worker once per engine id (a restarted peer has a new id) and refuses an
@@ -15,6 +19,7 @@ incompatible one with a message that names what differs.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 
 import httpx
@@ -22,7 +27,13 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field, ValidationError
 
 from common.api.app import ServerState, read_json_body
-from common.api.errors import InvalidRequestError, NotFoundError, UnavailableError
+from common.api.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    NotFoundError,
+    UnavailableError,
+)
+from common.api.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from common.kv_cache.block_pool import NoFreeBlocksError
 from common.kv_transfer.handshake import (
     HandshakeInfo,
@@ -42,7 +53,23 @@ class ReleaseRequest(BaseModel):
 
 
 class ReserveRequest(BaseModel):
-    num_tokens: int = Field(gt=0)
+    num_tokens: int | None = Field(default=None, gt=0)
+    completion: dict | None = None  # a client's /v1/completions body: its prompt's tokens
+    chat: dict | None = None  # a client's /v1/chat/completions body
+
+
+TOKEN_HEADER = "X-Internal-Token"
+
+
+def check_internal_token(state: ServerState, request: Request) -> None:
+    token = state.cfg.internal_token
+    if token and not hmac.compare_digest(request.headers.get(TOKEN_HEADER, ""), token):
+        raise AuthenticationError(f"internal routes need the cluster token ({TOKEN_HEADER})")
+
+
+def token_headers(state: ServerState) -> dict[str, str]:
+    token = state.cfg.internal_token
+    return {TOKEN_HEADER: token} if token else {}
 
 
 def local_handshake(state: ServerState) -> HandshakeInfo:
@@ -74,11 +101,13 @@ def _compat(engine) -> dict:
 
 def install_internal_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/internal/kv/handshake")
-    async def handshake():
+    async def handshake(request: Request):
+        check_internal_token(state, request)
         return local_handshake(state).model_dump()
 
     @app.post("/internal/kv/release")
     async def release(request: Request):
+        check_internal_token(state, request)
         body = _parse(ReleaseRequest, await read_json_body(request, 4096))
         engine, connector = _connector(state)
         if body.reservation_id is not None:
@@ -91,10 +120,12 @@ def install_internal_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/internal/kv/reserve")
     async def reserve(request: Request):
-        body = _parse(ReserveRequest, await read_json_body(request, 4096))
+        check_internal_token(state, request)
+        body = _parse(ReserveRequest, await read_json_body(request, state.cfg.max_body_bytes))
         engine, connector = _connector(state)
+        num_tokens = _num_prompt_tokens(engine.engine, body)
         try:
-            res = await asyncio.wrap_future(engine.call(connector.reserve, body.num_tokens))
+            res = await asyncio.wrap_future(engine.call(connector.reserve, num_tokens))
         except NoFreeBlocksError as e:
             raise UnavailableError(
                 f"no KV blocks to reserve: {e}", headers={"Retry-After": "1"}
@@ -107,6 +138,22 @@ def install_internal_routes(app: FastAPI, state: ServerState) -> None:
             "host": cfg.advertise_host,
             "port": cfg.advertise_port,
         }
+
+
+def _num_prompt_tokens(llm, body: ReserveRequest) -> int:
+    if body.num_tokens is not None:
+        return body.num_tokens
+    if body.completion is not None:
+        req = parse_request(CompletionRequest, body.completion)
+        if len(req.prompts) != 1:
+            raise InvalidRequestError("a push reserves for a single prompt", param="completion")
+        prompt = req.prompts[0]
+        return len(llm.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
+    if body.chat is not None:
+        req = parse_request(ChatCompletionRequest, body.chat)
+        text = req.render_prompt(llm.tokenizer)
+        return len(llm.tokenizer.encode(text, add_special_tokens=False))
+    raise InvalidRequestError("give num_tokens, completion or chat", param="num_tokens")
 
 
 def _parse(model, body: dict):
@@ -172,7 +219,7 @@ async def handshake_with(state: ServerState, engine_id: str, host: str, port: in
     url = f"http://{host}:{port}/internal/kv/handshake"
     try:
         async with httpx.AsyncClient(timeout=5.0) as client:
-            r = await client.get(url)
+            r = await client.get(url, headers=token_headers(state))
             r.raise_for_status()
         info = HandshakeInfo.model_validate(r.json())
     except (httpx.HTTPError, ValueError) as e:
@@ -192,7 +239,10 @@ async def handshake_with(state: ServerState, engine_id: str, host: str, port: in
 
 
 def _unreachable(state: ServerState, remote: RemotePrefill, why: str) -> None:
-    if state.engine.engine.config.transfer.failure_policy == "recompute":
+    # NOTE: a first token the client already has cannot be recomputed into the same stream
+    if state.engine.engine.config.transfer.failure_policy == "recompute" and not (
+        remote.first_token_streamed and remote.first_token_id is not None
+    ):
         logger.warning("%s: computing the prompt locally", why)
         return None
     raise UnavailableError(f"the prompt's KV cannot be loaded: {why}")

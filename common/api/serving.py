@@ -37,6 +37,13 @@ class Job:
     num_output_tokens: int = 0
 
 
+def num_tokens_sent_before(job: Job) -> int:
+    """1 when the client already has P's first token (the proxy sent it): D's stream starts at
+    the second token, and usage still counts the first."""
+    raw = job.kv_transfer_params or {}
+    return int(bool(raw.get("first_token_streamed")) and raw.get("first_token_id") is not None)
+
+
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:

@@ -237,14 +237,15 @@ class LLMEngine:
             return  # vLLM-style: the last prompt token is recomputed and sampled here
         req.append_token(SampledToken(remote.first_token_id))
         skip_draw(req)
+        if remote.first_token_streamed:  # the client has it: stream from the second token
+            self.outputs.process(req)
+            self.outputs.mark_sent(req.request_id)
         status, reason = self.scheduler.check_stop(req, remote.first_token_id)
         if status is not None:  # nothing left to generate: no KV needed
             self._awaiting = [(r, d) for r, d in self._awaiting if r is not req]
             self._give_back_remote(req)
             self.scheduler.finish(req, status, reason)
             self._ready.append(req)
-        elif remote.first_token_streamed:
-            self.outputs.process(req)  # the client has it: stream from the second token
 
     def _release_siblings(self) -> None:
         """Schedule the siblings of first children whose prompt is now computed (and cached)."""

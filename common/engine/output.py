@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from common.engine.request import Request
 from common.engine.sampler import SampledToken
+from common.kv_transfer.params import wants_remote_decode
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -76,7 +77,9 @@ class OutputProcessor:
             for token_id in req.output_token_ids[track.num_detok_tokens :]:
                 track.detok.add(token_id)
             track.num_detok_tokens = req.num_output_tokens
-            if req.is_finished:
+            # NOTE: a prefill for a remote decode keeps an incomplete UTF-8 tail unflushed:
+            # D continues the same text, and the client must not get a replacement character
+            if req.is_finished and not wants_remote_decode(req.kv_transfer_params):
                 track.detok.flush()
             track.text = track.detok.text
             track.stopped_by = self._find_stop(req, track)
@@ -85,6 +88,11 @@ class OutputProcessor:
         if finished:
             self.remove(req.request_id)
         return out, track.stopped_by
+
+    def mark_sent(self, request_id: str) -> None:
+        """The client already has all text so far (P's first token, streamed by the proxy)."""
+        track = self._tracks[request_id]
+        track.num_sent_chars = len(track.text)
 
     def _find_stop(self, req: Request, track: _Track) -> str | None:
         params = req.sampling_params

@@ -1,0 +1,90 @@
+"""Admin routes: list, add, drain and remove workers while the proxy runs.
+
+They need `Authorization: Bearer ADMIN_KEY` (`--admin-key`, else `--api-key`); with neither
+set they are refused, so an open proxy cannot be reconfigured by its clients.
+
+- `GET /admin/workers`
+- `POST /admin/workers` `{"role": "prefill"|"decode", "url"}`: added, checked at once
+- `POST /admin/workers/drain` `{"url"}`: no new requests; running ones finish
+- `POST /admin/workers/remove` `{"url"}`: gone from routing (running requests finish)
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ValidationError
+
+from common.api.app import read_json_body
+from common.api.errors import APIError, InvalidRequestError, NotFoundError
+from proxy.workers import Worker
+
+
+class AdminForbiddenError(APIError):
+    status_code = 403
+    error_type = "permission_error"
+
+
+class AddWorker(BaseModel):
+    role: Literal["prefill", "decode"]
+    url: str
+
+
+class WorkerRef(BaseModel):
+    url: str
+
+
+def install_admin_routes(app: FastAPI, proxy) -> None:
+    from proxy.app import check_key
+
+    async def authorized(request: Request) -> None:
+        key = proxy.cfg.effective_admin_key
+        if key is None:
+            raise AdminForbiddenError("admin routes are off: start the proxy with --admin-key")
+        check_key(request, key)
+
+    async def body_of(request: Request, model):
+        await authorized(request)
+        try:
+            return model.model_validate(await read_json_body(request, 4096))
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise InvalidRequestError(first["msg"], param=".".join(map(str, first["loc"]))) from e
+
+    def find(url: str) -> Worker:
+        for pool in proxy.pools.values():
+            worker = pool.get(url)
+            if worker is not None:
+                return worker
+        raise NotFoundError(f"no worker {url!r}", param="url")
+
+    @app.get("/admin/workers")
+    async def list_workers(request: Request):
+        await authorized(request)
+        return {"workers": [w.describe() for w in proxy.all_workers()]}
+
+    @app.post("/admin/workers")
+    async def add_worker(request: Request):
+        body = await body_of(request, AddWorker)
+        if not body.url.startswith(("http://", "https://")):
+            raise InvalidRequestError("url must start with http:// or https://", param="url")
+        if any(pool.get(body.url) for pool in proxy.pools.values()):
+            raise InvalidRequestError(f"{body.url} is already a worker", param="url")
+        worker = proxy.add_worker(body.role, body.url)
+        await proxy.health.check(worker)
+        return worker.describe()
+
+    @app.post("/admin/workers/drain")
+    async def drain_worker(request: Request):
+        worker = find((await body_of(request, WorkerRef)).url)
+        worker.is_draining = True
+        return worker.describe()
+
+    @app.post("/admin/workers/remove")
+    async def remove_worker(request: Request):
+        worker = find((await body_of(request, WorkerRef)).url)
+        proxy.pools[worker.role].remove(worker.url)
+        # NOTE: its client stays open for requests still running on it; closed at shutdown
+        proxy.removed.append(worker)
+        return {**worker.describe(), "removed": True}

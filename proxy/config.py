@@ -1,0 +1,171 @@
+"""The proxy's configuration: one frozen dataclass, from the command line or a config file.
+
+`--config FILE` (JSON, or TOML on Python 3.11+) holds the same keys as the flags, with dashes
+or underscores (`{"prefill": ["http://p1:8100"], "decode": [...], "port": 8000}`); flags given
+on the command line win over the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+MODES = ("pull", "push", "colocated")
+POLICIES = ("round_robin", "least_outstanding", "power_of_two", "prefix")
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    interval: float = 2.0  # seconds between active checks of one worker
+    timeout: float = 1.0
+    failure_threshold: int = 2  # consecutive failed checks that eject a worker
+    success_threshold: int = 1  # consecutive good checks that readmit it
+
+    def __post_init__(self) -> None:
+        if self.interval <= 0 or self.timeout <= 0:
+            raise ValueError("health interval and timeout must be > 0")
+        if self.failure_threshold < 1 or self.success_threshold < 1:
+            raise ValueError("health thresholds must be >= 1")
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    mode: str = "pull"
+    first_token_from_prefill: bool = True  # stream P's token at once; D continues after it
+    min_disagg_tokens: int = 0  # shorter prompts (estimated) go to D alone
+    prefill_policy: str = "prefix"
+    decode_policy: str = "least_outstanding"
+    prefix_chars: int = 256  # leading characters of the prompt that key prefix-aware routing
+    api_key: str | None = None
+    admin_key: str | None = None  # admin routes; defaults to api_key
+    internal_token: str | None = None  # sent to the workers' internal routes
+    max_body_bytes: int = 4 << 20
+    connect_timeout: float = 2.0
+    prefill_timeout: float = 300.0  # one prefill, end to end
+    decode_timeout: float = 60.0  # the longest silence of a decode stream
+    max_retries: int = 2  # more prefill workers tried after the first fails
+    health: HealthConfig = field(default_factory=HealthConfig)
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.decode:
+            raise ValueError("at least one --decode URL is needed")
+        for url in (*self.prefill, *self.decode):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URL must start with http:// or https://: {url!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("prefill_policy", "decode_policy"):
+            if getattr(self, name) not in POLICIES:
+                raise ValueError(f"{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
+        if self.decode_policy == "prefix":
+            raise ValueError("prefix-aware routing is for prefill workers only")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.min_disagg_tokens < 0 or self.max_retries < 0 or self.prefix_chars < 1:
+            raise ValueError("min_disagg_tokens and max_retries must be >= 0, prefix_chars >= 1")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+
+    @property
+    def effective_admin_key(self) -> str | None:
+        return self.admin_key or self.api_key
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m proxy",
+        description="The OpenAI front door: routes each request through one prefill and one "
+        "decode worker (or a decode worker alone).",
+    )
+    add = p.add_argument
+    add("--config", type=Path, help="JSON or TOML file with any of these settings")
+    add("--prefill", action="append", help="a prefill worker's URL (repeat for more)")
+    add("--decode", action="append", help="a decode worker's URL (repeat for more)")
+    add("--host", help="address to bind (default 127.0.0.1)")
+    add("--port", type=int, help="port (default 8000)")
+    add("--mode", choices=MODES, help="pull (default; vLLM-compatible), push, or colocated")
+    add(
+        "--no-first-token-from-prefill",
+        dest="first_token_from_prefill",
+        action="store_const",
+        const=False,
+        help="wait for D's stream instead of sending P's first token to the client at once",
+    )
+    add(
+        "--min-disagg-tokens",
+        type=int,
+        help="prompts shorter than this (estimated tokens) skip prefill workers (default 0)",
+    )
+    add("--prefill-policy", choices=POLICIES, help="routing over prefill workers (prefix)")
+    add("--decode-policy", choices=POLICIES[:3], help="routing over decode workers")
+    add("--prefix-chars", type=int, help="prompt characters that key prefix routing (256)")
+    add("--api-key", help="clients must send 'Authorization: Bearer KEY' (env PDSERVE_API_KEY)")
+    add("--admin-key", help="key of the /admin routes (default: --api-key)")
+    add("--internal-token", help="token for the workers' internal routes (PDSERVE_INTERNAL_TOKEN)")
+    add("--max-body-bytes", type=int, help="answer 413 above this body size (4MiB)")
+    add("--connect-timeout", type=float, help="seconds to connect to a worker (2)")
+    add("--prefill-timeout", type=float, help="seconds one prefill may take (300)")
+    add("--decode-timeout", type=float, help="longest silence of a decode stream, seconds (60)")
+    add("--max-retries", type=int, help="other prefill workers tried after a failure (2)")
+    add("--health-interval", type=float, help="seconds between health checks (2)")
+    add("--health-timeout", type=float, help="timeout of one health check (1)")
+    add("--health-failures", type=int, help="failed checks that eject a worker (2)")
+    add("--health-successes", type=int, help="good checks that readmit it (1)")
+    add("--log-level", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+_HEALTH_FLAGS = {
+    "health_interval": "interval",
+    "health_timeout": "timeout",
+    "health_failures": "failure_threshold",
+    "health_successes": "success_threshold",
+}
+
+
+def parse_args(argv: list[str] | None = None) -> ProxyConfig:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        settings = _read_file(a.config) if a.config else {}
+        settings.update({k: v for k, v in vars(a).items() if k != "config" and v is not None})
+        settings.setdefault("api_key", os.environ.get("PDSERVE_API_KEY"))
+        settings.setdefault("internal_token", os.environ.get("PDSERVE_INTERNAL_TOKEN"))
+        return from_dict(settings)
+    except (OSError, ValueError, TypeError) as e:
+        parser.error(str(e))
+
+
+def from_dict(settings: dict) -> ProxyConfig:
+    settings = {k.replace("-", "_"): v for k, v in settings.items()}
+    health = dict(settings.pop("health", None) or {})
+    for flag, name in _HEALTH_FLAGS.items():
+        if flag in settings:
+            health[name] = settings.pop(flag)
+    known = {f.name for f in fields(ProxyConfig)}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"unknown settings: {', '.join(unknown)}")
+    for role in ("prefill", "decode"):
+        settings[role] = tuple(settings.get(role) or ())
+    return ProxyConfig(**settings, health=HealthConfig(**health))
+
+
+def _read_file(path: Path) -> dict:
+    text = path.read_text()
+    if path.suffix == ".toml":
+        import tomllib  # Python 3.11+
+
+        return tomllib.loads(text)
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the config must be a JSON object")
+    return data

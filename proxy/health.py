@@ -1,0 +1,52 @@
+"""Active health checks: every worker's `GET /health`, each `interval` seconds, with a timeout.
+
+`failure_threshold` consecutive failures eject a worker, `success_threshold` consecutive
+successes readmit it. Requests eject a worker passively (`Worker.eject`) on a connect error;
+only these checks bring it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import httpx
+
+from proxy.config import HealthConfig
+from proxy.workers import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class HealthChecker:
+    def __init__(self, cfg: HealthConfig, workers: Callable[[], list[Worker]]):
+        self.cfg = cfg
+        self.workers = workers
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in self.workers()))
+
+    async def check(self, worker: Worker) -> None:
+        try:
+            r = await worker.client.get("/health", timeout=self.cfg.timeout)
+            ok, why = r.status_code == 200, f"/health answered {r.status_code}"
+        except httpx.HTTPError as e:
+            ok, why = False, f"/health failed: {type(e).__name__}"
+        if worker.record_check(ok, why, self.cfg.failure_threshold, self.cfg.success_threshold):
+            state = "healthy" if worker.is_healthy else f"unhealthy ({why})"
+            logger.warning("%s worker %s is %s", worker.role, worker.url, state)
+
+    async def _run(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.cfg.interval)

@@ -1,0 +1,66 @@
+"""The proxy's Prometheus metrics (its own registry).
+
+`pdserve_proxy_routed_total{path, reason}` shows conditional disaggregation at work: `path` is
+`disaggregated` or `colocated`, `reason` why (`mode`, `short_prompt`, `no_prefill`,
+`prefill_failed`, `batch`, ...).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from proxy.workers import WorkerPool
+
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class ProxyMetrics:
+    def __init__(self, pools: dict[str, WorkerPool]):
+        self.pools = pools
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "pdserve_proxy_requests", "Answered requests", ["endpoint", "status"], registry=r
+        )
+        self.routed = Counter(
+            "pdserve_proxy_routed", "Requests by path and reason", ["path", "reason"], registry=r
+        )
+        self.upstream_errors = Counter(
+            "pdserve_proxy_upstream_errors",
+            "Failed calls to workers",
+            ["role", "kind"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "pdserve_proxy_retries", "Calls retried on another worker", ["role"], registry=r
+        )
+        self.stream_errors = Counter(
+            "pdserve_proxy_stream_errors", "Streams ended by an error event", registry=r
+        )
+        self.disconnects = Counter(
+            "pdserve_proxy_client_disconnects", "Clients gone before the end", registry=r
+        )
+        self.ttft = Histogram(
+            "pdserve_proxy_time_to_first_byte_seconds",
+            "Arrival to the first byte sent to the client",
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.prefill = Histogram(
+            "pdserve_proxy_prefill_seconds", "Prefill calls", buckets=_BUCKETS, registry=r
+        )
+        self.workers = Gauge(
+            "pdserve_proxy_workers", "Workers by role and state", ["role", "state"], registry=r
+        )
+        self.outstanding = Gauge(
+            "pdserve_proxy_outstanding", "Requests in flight by role", ["role"], registry=r
+        )
+
+    def render(self) -> bytes:
+        for role, pool in self.pools.items():
+            healthy = sum(w.is_healthy and not w.is_draining for w in pool.workers)
+            draining = sum(w.is_draining for w in pool.workers)
+            self.workers.labels(role, "healthy").set(healthy)
+            self.workers.labels(role, "draining").set(draining)
+            self.workers.labels(role, "unhealthy").set(len(pool) - healthy - draining)
+            self.outstanding.labels(role).set(sum(w.num_outstanding for w in pool.workers))
+        return generate_latest(self.registry)

@@ -1,0 +1,333 @@
+"""One request through the workers: plan the path, prefill on P, decode on D, stream back.
+
+- **Plan.** Disaggregated (P then D) unless the mode is colocated, the prompt is short
+  (`min_disagg_tokens`, estimated), it is a batch of prompts, or no P is routable: then D alone.
+- **Prefill.** P computes the prompt and one token and keeps the KV (pull) or writes it into
+  blocks D reserved first (push). A P that fails is ejected (connect errors) and the next one is
+  tried; when none is left the request goes to D alone. P's 4xx is the client's error, returned.
+- **Decode.** D gets the client's body plus P's `kv_transfer_params`. Streamed, P's first token
+  goes to the client at once and D continues after it. A D that cannot be reached before any of
+  its bytes were sent is replaced by another (pull mode); a D that fails mid-stream ends the
+  stream with an error event. Whatever P still holds for a request that will not read it is
+  released (leases expire anyway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import httpx
+from fastapi.responses import Response, StreamingResponse
+
+from common.api.errors import APIError, ServerError, UnavailableError
+from proxy.config import ProxyConfig
+from proxy.metrics import ProxyMetrics
+from proxy.policies import create_policy
+from proxy.request import ProxyRequest
+from proxy.sse import error_event, first_token_events, is_role_chunk
+from proxy.upstream import UpstreamError, error_message, open_stream, post_json
+from proxy.workers import Worker, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Prefilled:
+    worker: Worker  # the P that holds (pull) or wrote (push) the prompt's KV
+    answer: dict  # P's response: the first token
+    params: dict  # P's kv_transfer_params, for D
+    push_to: dict | None = None  # push: the reservation on D
+
+    @property
+    def has_first_token(self) -> bool:
+        return self.params.get("first_token_id") is not None
+
+
+class Orchestrator:
+    def __init__(self, cfg: ProxyConfig, pools: dict[str, WorkerPool], metrics: ProxyMetrics):
+        self.cfg = cfg
+        self.pools = pools
+        self.metrics = metrics
+        self.policies = {
+            "prefill": create_policy(cfg.prefill_policy),
+            "decode": create_policy(cfg.decode_policy),
+        }
+        self.internal = {"X-Internal-Token": cfg.internal_token} if cfg.internal_token else {}
+        self._stream_timeout = httpx.Timeout(cfg.decode_timeout, connect=cfg.connect_timeout)
+        self._background: set[asyncio.Task] = set()
+
+    async def handle(self, req: ProxyRequest) -> Response:
+        start = time.perf_counter()
+        decode = self._choose("decode", req)
+        path, reason = self._plan(req)
+        prefilled = None
+        if path == "disaggregated":
+            prefilled = await self._prefill(req, decode)
+            if prefilled is None:
+                path, reason = "colocated", "prefill_failed"
+        self.metrics.routed.labels(path, reason).inc()
+        if not req.is_stream:
+            return await self._decode_whole(req, decode, prefilled)
+        if (
+            prefilled is not None
+            and prefilled.has_first_token
+            and self.cfg.first_token_from_prefill
+            and req.can_stream_first_token
+        ):
+            return _sse(self._stream_after_first(req, decode, prefilled, start))
+        try:
+            resp, decode = await self._open_decode(req, decode, prefilled, first_sent=False)
+        except UpstreamError as e:
+            self._give_back(prefilled)
+            return upstream_error_response(e)
+        return _sse(self._relay(resp, decode, prefilled, start))
+
+    # -- plan and prefill ------------------------------------------------------------------------
+    def _plan(self, req: ProxyRequest) -> tuple[str, str]:
+        if self.cfg.mode == "colocated":
+            return "colocated", "mode"
+        if req.is_batch:
+            return "colocated", "batch"
+        if not self.pools["prefill"].routable():
+            return "colocated", "no_prefill"
+        if self.cfg.min_disagg_tokens and req.estimated_tokens() < self.cfg.min_disagg_tokens:
+            return "colocated", "short_prompt"
+        return "disaggregated", self.cfg.mode
+
+    def _choose(self, role: str, req: ProxyRequest, tried: tuple[Worker, ...] = ()) -> Worker:
+        workers = self.pools[role].routable(exclude=tried)
+        if not workers:
+            raise UnavailableError(f"no healthy {role} worker", headers={"Retry-After": "1"})
+        return self.policies[role].choose(workers, req.prompt_text[: self.cfg.prefix_chars])
+
+    async def _prefill(self, req: ProxyRequest, decode: Worker) -> Prefilled | None:
+        tried: tuple[Worker, ...] = ()
+        for attempt in range(1 + self.cfg.max_retries):
+            if not self.pools["prefill"].routable(exclude=tried):
+                return None
+            worker = self._choose("prefill", req, tried)
+            tried += (worker,)
+            if attempt:
+                self.metrics.retries.labels("prefill").inc()
+            push_to = await self._reserve(req, decode) if self.cfg.mode == "push" else None
+            started = time.perf_counter()
+            try:
+                worker.num_outstanding += 1
+                answer = await post_json(
+                    worker,
+                    req.path,
+                    req.prefill_body(push_to),
+                    {"X-Request-Id": req.request_id},
+                    self.cfg.prefill_timeout,
+                )
+            except UpstreamError as e:
+                self._failed(e)
+                if push_to is not None:
+                    self._release(decode, {"reservation_id": push_to["reservation_id"]})
+                if e.is_client_error:
+                    raise UpstreamAPIError(e) from e
+                continue
+            finally:
+                worker.num_outstanding -= 1
+            self.metrics.prefill.observe(time.perf_counter() - started)
+            params = answer.get("kv_transfer_params")
+            if not isinstance(params, dict):
+                logger.warning("prefill worker %s returned no kv_transfer_params", worker.url)
+                return None
+            return Prefilled(worker, answer, params, push_to)
+        return None
+
+    async def _reserve(self, req: ProxyRequest, decode: Worker) -> dict | None:
+        """Push: blocks on D for the prompt; None (pull instead) when D cannot spare them."""
+        try:
+            return await post_json(
+                decode, "/internal/kv/reserve", req.reserve_body(), self.internal, 10.0
+            )
+        except UpstreamError as e:
+            if e.is_client_error:
+                raise UpstreamAPIError(e) from e
+            logger.warning("reservation failed, pulling instead: %s", e.message)
+            return None
+
+    # -- decode ----------------------------------------------------------------------------------
+    def _decode_content(self, req: ProxyRequest, prefilled: Prefilled | None, first_sent: bool):
+        if prefilled is None:
+            return req.decode_body(None)
+        params = dict(prefilled.params)
+        if first_sent:
+            params["first_token_streamed"] = True
+        return req.decode_body(params)
+
+    async def _decode_whole(
+        self, req: ProxyRequest, decode: Worker, prefilled: Prefilled | None
+    ) -> Response:
+        content = self._decode_content(req, prefilled, first_sent=False)
+        try:
+            resp, decode = await self._open_decode(req, decode, prefilled, content=content)
+        except UpstreamError as e:
+            self._give_back(prefilled)
+            return upstream_error_response(e)
+        try:
+            body = await resp.aread()
+        except httpx.HTTPError as e:
+            self._give_back(prefilled)
+            return upstream_error_response(UpstreamError(decode, f"decode failed: {e!r}"))
+        finally:
+            decode.num_outstanding -= 1
+            await resp.aclose()
+        return Response(body, media_type="application/json")
+
+    async def _open_decode(
+        self,
+        req: ProxyRequest,
+        decode: Worker,
+        prefilled: Prefilled | None,
+        first_sent: bool = False,
+        content: bytes | None = None,
+    ) -> tuple[httpx.Response, Worker]:
+        """D's response, headers received; another D when one cannot be reached (unless the KV
+        was pushed into that one). The caller decrements the worker's outstanding count."""
+        if content is None:
+            content = self._decode_content(req, prefilled, first_sent)
+        can_switch = prefilled is None or prefilled.push_to is None
+        tried: tuple[Worker, ...] = ()
+        while True:
+            tried += (decode,)
+            decode.num_outstanding += 1
+            try:
+                headers = {"X-Request-Id": req.request_id}
+                return await open_stream(
+                    decode, req.path, content, headers, self._stream_timeout
+                ), decode
+            except UpstreamError as e:
+                decode.num_outstanding -= 1
+                self._failed(e)
+                others = self.pools["decode"].routable(exclude=tried)
+                retry = e.is_connect and can_switch and len(tried) <= self.cfg.max_retries
+                if not (retry and others):
+                    raise
+                self.metrics.retries.labels("decode").inc()
+                decode = self._choose("decode", req, tried)
+
+    async def _stream_after_first(
+        self, req: ProxyRequest, decode: Worker, prefilled: Prefilled, start: float
+    ) -> AsyncIterator[bytes]:
+        yield first_token_events(req.is_chat, req.request_id, prefilled.answer, req.body)
+        self.metrics.ttft.observe(time.perf_counter() - start)
+        try:
+            resp, decode = await self._open_decode(req, decode, prefilled, first_sent=True)
+        except UpstreamError as e:
+            self._give_back(prefilled)
+            self.metrics.stream_errors.inc()
+            yield error_event(error_message(e.body) or e.message, e.status or 502)
+            return
+        except BaseException:  # the client went away while D was being reached
+            self._give_back(prefilled)
+            raise
+        async with aclosing(self._relay(resp, decode, prefilled, None, req.is_chat)) as rest:
+            async for chunk in rest:
+                yield chunk
+
+    async def _relay(
+        self,
+        resp: httpx.Response,
+        decode: Worker,
+        prefilled: Prefilled | None,
+        start: float | None,
+        skip_role: bool = False,
+    ) -> AsyncIterator[bytes]:
+        """D's bytes to the client, as they come; an error event if D fails mid-stream."""
+        finished = False
+        pending = b""
+        try:
+            async for chunk in resp.aiter_raw():
+                if skip_role:  # the client already has the role, with P's token
+                    pending += chunk
+                    head, sep, rest = pending.partition(b"\n\n")
+                    if not sep:
+                        continue
+                    skip_role = False
+                    chunk = rest if is_role_chunk(head) else pending
+                if start is not None:
+                    self.metrics.ttft.observe(time.perf_counter() - start)
+                    start = None
+                if chunk:
+                    yield chunk
+            finished = True
+        except httpx.HTTPError as e:
+            logger.warning("decode worker %s failed mid-stream: %r", decode.url, e)
+            self.metrics.stream_errors.inc()
+            finished = True
+            self._give_back(prefilled)
+            yield error_event(f"the decode worker failed mid-stream: {type(e).__name__}")
+        finally:
+            decode.num_outstanding -= 1
+            if not finished:  # the client went away: D sees its stream close and aborts
+                self.metrics.disconnects.inc()
+                self._give_back(prefilled)
+            self._spawn(resp.aclose())
+
+    # -- failures and clean-up -------------------------------------------------------------------
+    def _failed(self, e: UpstreamError) -> None:
+        self.metrics.upstream_errors.labels(e.worker.role, e.kind).inc()
+        if e.is_connect:
+            logger.warning("ejecting %s worker %s: %s", e.worker.role, e.worker.url, e.message)
+            e.worker.eject(e.message)
+
+    def _give_back(self, prefilled: Prefilled | None) -> None:
+        """Free what a request that will not be decoded holds on P (pull) or D (push)."""
+        if prefilled is None:
+            return
+        rid = prefilled.params.get("remote_request_id")
+        if prefilled.push_to is None and rid:
+            self._release(prefilled.worker, {"request_id": rid})
+
+    def _release(self, worker: Worker, payload: dict) -> None:
+        self._spawn(self._post_quietly(worker, "/internal/kv/release", payload))
+
+    async def _post_quietly(self, worker: Worker, path: str, payload: dict) -> None:
+        try:
+            await post_json(worker, path, payload, self.internal, 5.0)
+        except UpstreamError as e:  # the lease or reservation expires anyway
+            logger.info("%s", e.message)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+
+class UpstreamAPIError(APIError):
+    """A worker's 4xx for the client's mistake, passed on as the worker wrote it."""
+
+    def __init__(self, e: UpstreamError):
+        super().__init__(error_message(e.body) or e.message)
+        self.status_code = e.status or 502
+        self.body = e.body
+
+
+def upstream_error_response(e: UpstreamError) -> Response:
+    if e.status is not None and e.body and error_message(e.body) is not None:
+        return Response(e.body, status_code=e.status, media_type="application/json")
+    if e.is_connect:
+        err: APIError = UnavailableError(f"no worker could take the request: {e.message}")
+    else:
+        err = ServerError(f"upstream failure: {e.message}")
+        err.status_code = 504 if e.kind == "timeout" else 502
+    return Response(
+        err.to_response().model_dump_json(),
+        status_code=int(err.status_code),
+        media_type="application/json",
+    )
+
+
+def _sse(body: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(body, media_type="text/event-stream")

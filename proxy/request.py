@@ -1,0 +1,110 @@
+"""One client request as the proxy sees it: the JSON body (opaque but for a few fields), its id,
+and the bodies derived from it for P and D.
+
+The proxy does not tokenize: conditional disaggregation uses an estimate of the prompt's length
+(token ids are counted exactly; text is taken as ~4 bytes per token).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from common.api.errors import InvalidRequestError
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+_PREFILL_DROPS = ("stream_options", "max_completion_tokens", "logprobs", "echo")
+
+
+@dataclass
+class ProxyRequest:
+    path: str  # COMPLETIONS_PATH or CHAT_PATH
+    body: dict
+    raw: bytes  # the body as received, forwarded as is where nothing changes
+    request_id: str
+
+    @classmethod
+    def parse(cls, path: str, raw: bytes, request_id: str) -> ProxyRequest:
+        try:
+            body = json.loads(raw)
+        except UnicodeDecodeError as e:
+            raise InvalidRequestError(f"request body is not UTF-8: {e}") from e
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"request body is not valid JSON: {e}") from e
+        if not isinstance(body, dict):
+            raise InvalidRequestError("request body must be a JSON object")
+        if body.get("kv_transfer_params") is not None:
+            raise InvalidRequestError(
+                "kv_transfer_params are set by the proxy, not by clients",
+                param="kv_transfer_params",
+            )
+        return cls(path, body, raw, request_id)
+
+    @property
+    def is_chat(self) -> bool:
+        return self.path == CHAT_PATH
+
+    @property
+    def is_stream(self) -> bool:
+        return self.body.get("stream") is True
+
+    @property
+    def is_batch(self) -> bool:
+        """Several prompts in one completions request (each would need its own transfer)."""
+        prompt = self.body.get("prompt")
+        return (
+            not self.is_chat
+            and isinstance(prompt, list)
+            and bool(prompt)
+            and isinstance(prompt[0], (str, list))
+        )
+
+    @property
+    def can_stream_first_token(self) -> bool:
+        """P's first token can go to the client before D answers: one plain choice."""
+        b = self.body
+        return (
+            self.is_stream
+            and (b.get("n") in (None, 1))
+            and not b.get("logprobs")
+            and not b.get("echo")
+            and not b.get("top_logprobs")
+        )
+
+    @property
+    def prompt_text(self) -> str:
+        if self.is_chat:
+            messages = self.body.get("messages")
+            return json.dumps(messages, separators=(",", ":"))[:65536] if messages else ""
+        prompt = self.body.get("prompt")
+        return prompt if isinstance(prompt, str) else json.dumps(prompt)[:65536]
+
+    def estimated_tokens(self) -> int:
+        prompt = self.body.get("prompt")
+        is_ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+        if not self.is_chat and is_ids:
+            return len(prompt)
+        return len(self.prompt_text.encode()) // 4
+
+    def prefill_body(self, push_to: dict | None) -> dict:
+        """To P: compute the prompt and the first token, keep the KV for D."""
+        body = {k: v for k, v in self.body.items() if k not in _PREFILL_DROPS}
+        body.update(max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
+        if self.is_chat:
+            body.pop("top_logprobs", None)
+        if isinstance(body.get("min_tokens"), int):  # still masks EOS for the first token
+            body["min_tokens"] = min(body["min_tokens"], 1)
+        if push_to is not None:
+            body["kv_transfer_params"]["push_to"] = push_to
+        return body
+
+    def decode_body(self, kv_transfer_params: dict | None) -> bytes:
+        if kv_transfer_params is None:
+            return self.raw
+        return json.dumps({**self.body, "kv_transfer_params": kv_transfer_params}).encode()
+
+    def reserve_body(self) -> dict:
+        """To D before a push: the request, which D tokenizes to size the reservation."""
+        body = {k: v for k, v in self.body.items() if k != "stream_options"}
+        return {"chat" if self.is_chat else "completion": {**body, "stream": False}}

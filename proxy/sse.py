@@ -1,0 +1,66 @@
+"""Server-sent events the proxy writes itself: P's first token as the stream's first chunk(s),
+and an error event when an upstream fails after the stream has begun. Everything else is D's
+bytes, passed through unparsed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+DONE = b"data: [DONE]\n\n"
+
+
+def event(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def error_event(message: str, status: int = 502, error_type: str = "server_error") -> bytes:
+    """OpenAI's error shape inside a stream (the `openai` client raises it as an APIError)."""
+    error = {"message": message, "type": error_type, "param": None, "code": status}
+    return event({"error": error}) + DONE
+
+
+def first_token_events(is_chat: bool, request_id: str, answer: dict, body: dict) -> bytes:
+    """P's answer (one token) as the chunks a worker would have streamed first: for chat, the
+    role chunk and then the content; for completions, the text."""
+    choice = (answer.get("choices") or [{}])[0]
+    created = int(answer.get("created") or time.time())
+    model = answer.get("model") or body.get("model")
+    token_ids = body.get("return_token_ids") and choice.get("token_ids")
+    if is_chat:
+        head = {
+            "id": f"chatcmpl-{request_id}",
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+        }
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        if body.get("return_token_ids") and answer.get("prompt_token_ids") is not None:
+            head_role = {**head, "prompt_token_ids": answer["prompt_token_ids"]}
+        else:
+            head_role = head
+        text = (choice.get("message") or {}).get("content") or ""
+        content = {"index": 0, "delta": {"content": text}, "finish_reason": None}
+        if token_ids:
+            content["token_ids"] = token_ids
+        return event({**head_role, "choices": [role]}) + event({**head, "choices": [content]})
+    out = {"index": 0, "text": choice.get("text") or "", "logprobs": None, "finish_reason": None}
+    if token_ids:
+        out["token_ids"] = token_ids
+        if choice.get("prompt_token_ids") is not None:
+            out["prompt_token_ids"] = choice["prompt_token_ids"]
+    head = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created}
+    return event({**head, "model": model, "choices": [out]})
+
+
+def is_role_chunk(raw_event: bytes) -> bool:
+    """A chat stream's opening chunk that carries only the role (D sends one too)."""
+    if not raw_event.startswith(b"data: {"):
+        return False
+    try:
+        payload = json.loads(raw_event[len(b"data: ") :])
+    except ValueError:
+        return False
+    choices = payload.get("choices") or []
+    return len(choices) == 1 and choices[0].get("delta") == {"role": "assistant", "content": ""}
