@@ -22,14 +22,14 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 import httpx
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from common.api.errors import APIError, ServerError, UnavailableError
 from proxy.config import ProxyConfig
 from proxy.metrics import ProxyMetrics
 from proxy.policies import create_policy
 from proxy.request import ProxyRequest
-from proxy.sse import error_event, first_token_events, is_role_chunk
+from proxy.sse import EventStreamResponse, error_event, first_token_events, is_role_chunk
 from proxy.upstream import UpstreamError, error_message, open_stream, post_json
 from proxy.workers import Worker, WorkerPool
 
@@ -59,6 +59,8 @@ class Orchestrator:
         }
         self.internal = {"X-Internal-Token": cfg.internal_token} if cfg.internal_token else {}
         self._stream_timeout = httpx.Timeout(cfg.decode_timeout, connect=cfg.connect_timeout)
+        self._prefill_timeout = httpx.Timeout(cfg.prefill_timeout, connect=cfg.connect_timeout)
+        self._internal_timeout = httpx.Timeout(5.0, connect=cfg.connect_timeout)
         self._background: set[asyncio.Task] = set()
 
     async def handle(self, req: ProxyRequest) -> Response:
@@ -123,7 +125,7 @@ class Orchestrator:
                     req.path,
                     req.prefill_body(push_to),
                     {"X-Request-Id": req.request_id},
-                    self.cfg.prefill_timeout,
+                    self._prefill_timeout,
                 )
             except UpstreamError as e:
                 self._failed(e)
@@ -146,8 +148,9 @@ class Orchestrator:
         """Push: blocks on D for the prompt; None (pull instead) when D cannot spare them."""
         try:
             return await post_json(
-                decode, "/internal/kv/reserve", req.reserve_body(), self.internal, 10.0
-            )
+                decode, "/internal/kv/reserve", req.reserve_body(), self.internal,
+                self._internal_timeout,
+            )  # fmt: skip
         except UpstreamError as e:
             if e.is_client_error:
                 raise UpstreamAPIError(e) from e
@@ -292,7 +295,7 @@ class Orchestrator:
 
     async def _post_quietly(self, worker: Worker, path: str, payload: dict) -> None:
         try:
-            await post_json(worker, path, payload, self.internal, 5.0)
+            await post_json(worker, path, payload, self.internal, self._internal_timeout)
         except UpstreamError as e:  # the lease or reservation expires anyway
             logger.info("%s", e.message)
 
@@ -329,5 +332,5 @@ def upstream_error_response(e: UpstreamError) -> Response:
     )
 
 
-def _sse(body: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(body, media_type="text/event-stream")
+def _sse(body) -> EventStreamResponse:
+    return EventStreamResponse(body)

@@ -14,6 +14,7 @@ from common.api.errors import InvalidRequestError
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+GENERATION_PATHS = frozenset((COMPLETIONS_PATH, CHAT_PATH))
 _PREFILL_DROPS = ("stream_options", "max_completion_tokens", "logprobs", "echo")
 
 

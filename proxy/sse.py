@@ -5,8 +5,12 @@ bytes, passed through unparsed.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from collections.abc import AsyncGenerator
+
+from starlette.responses import Response
 
 DONE = b"data: [DONE]\n\n"
 
@@ -64,3 +68,46 @@ def is_role_chunk(raw_event: bytes) -> bool:
         return False
     choices = payload.get("choices") or []
     return len(choices) == 1 and choices[0].get("delta") == {"role": "assistant", "content": ""}
+
+
+class EventStreamResponse(Response):
+    """Sends an async generator's chunks as they come. A client that goes away cancels the
+    generator at once (its `finally` closes the upstream stream), with one watcher task per
+    stream instead of Starlette's task group."""
+
+    def __init__(self, chunks: AsyncGenerator[bytes, None]):
+        self.chunks = chunks
+        self.status_code = 200
+        self.media_type = "text/event-stream"
+        self.background = None
+        self.init_headers(None)
+
+    async def __call__(self, scope, receive, send) -> None:
+        task = asyncio.current_task()
+        is_done = False
+
+        def on_disconnect(watcher: asyncio.Task) -> None:
+            if not (is_done or watcher.cancelled()):
+                task.cancel()
+
+        watcher = asyncio.create_task(_until_disconnect(receive))
+        watcher.add_done_callback(on_disconnect)
+        try:
+            start = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
+            await send(start)
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        except asyncio.CancelledError:
+            if not watcher.done() or watcher.cancelled():
+                raise  # cancelled from outside, not by the client leaving
+            task.uncancel()
+        finally:
+            is_done = True
+            watcher.cancel()
+            await self.chunks.aclose()
+
+
+async def _until_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

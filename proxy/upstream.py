@@ -11,7 +11,9 @@ import json
 from contextlib import contextmanager
 
 import httpx
+from httpx import AsyncBaseTransport
 
+from proxy.transport import LeanTransport
 from proxy.workers import Worker
 
 JSON_HEADERS = {"content-type": "application/json"}
@@ -50,41 +52,77 @@ class UpstreamError(Exception):
         )
 
 
-def make_client(url: str, connect_timeout: float) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        base_url=url,
-        timeout=httpx.Timeout(30.0, connect=connect_timeout),
-        limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+def make_client(url: str, connect_timeout: float) -> tuple[httpx.AsyncClient, AsyncBaseTransport]:
+    """One client per worker, keep-alive, explicit timeouts. Plain HTTP goes through the lean
+    transport (TLS through httpx's own); the hot path calls the transport directly, skipping
+    the client's auth / redirect / cookie layers it does not use."""
+    if url.startswith("http://"):
+        transport: AsyncBaseTransport = LeanTransport()
+    else:
+        transport = httpx.AsyncHTTPTransport(
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        )
+    client = httpx.AsyncClient(
+        base_url=url, timeout=httpx.Timeout(30.0, connect=connect_timeout), transport=transport
     )
+    return client, transport
 
 
 @contextmanager
-def _failures(worker: Worker, what: str):
+def _failures(worker: Worker, path: str):
     try:
         yield
     except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+        what = _what(worker, path)
         raise UpstreamError(worker, f"{what}: cannot connect ({e!r})", is_connect=True) from e
     except httpx.TimeoutException as e:
+        what = _what(worker, path)
         raise UpstreamError(worker, f"{what}: timed out ({type(e).__name__})") from e
     except httpx.HTTPError as e:
-        raise UpstreamError(worker, f"{what}: {e!r}") from e
+        raise UpstreamError(worker, f"{_what(worker, path)}: {e!r}") from e
+
+
+def _what(worker: Worker, path: str) -> str:
+    return f"{worker.role} worker {worker.url}{path}"
+
+
+async def _send(
+    worker: Worker, path: str, content: bytes, headers: dict, timeout: httpx.Timeout
+) -> httpx.Response:
+    request = httpx.Request(
+        "POST",
+        worker.endpoint(path),
+        content=content,
+        headers={**JSON_HEADERS, **headers},
+        extensions={"timeout": timeout.as_dict()},
+    )
+    with _failures(worker, path):
+        r = await worker.transport.handle_async_request(request)
+        if r.status_code != 200:
+            try:
+                body = await r.aread()
+            finally:
+                await r.aclose()
+            raise UpstreamError(
+                worker, f"{_what(worker, path)} answered {r.status_code}", r.status_code, body
+            )
+    return r
 
 
 async def post_json(
-    worker: Worker, path: str, payload: dict, headers: dict, timeout: float
+    worker: Worker, path: str, payload: dict, headers: dict, timeout: httpx.Timeout
 ) -> dict:
     """POST a JSON body, return the JSON answer; an error status is an `UpstreamError`."""
-    what = f"{worker.role} worker {worker.url}{path}"
-    with _failures(worker, what):
-        r = await worker.client.post(
-            path, content=_dumps(payload), headers={**JSON_HEADERS, **headers}, timeout=timeout
-        )
-    if r.status_code != 200:
-        raise UpstreamError(worker, f"{what} answered {r.status_code}", r.status_code, r.content)
+    r = await _send(worker, path, _dumps(payload), headers, timeout)
+    with _failures(worker, path):
+        try:
+            body = await r.aread()
+        finally:
+            await r.aclose()
     try:
-        return r.json()
+        return json.loads(body)
     except ValueError as e:
-        raise UpstreamError(worker, f"{what} answered with invalid JSON") from e
+        raise UpstreamError(worker, f"{_what(worker, path)} answered with invalid JSON") from e
 
 
 async def open_stream(
@@ -92,19 +130,7 @@ async def open_stream(
 ) -> httpx.Response:
     """Send a request and return the response once its headers arrived (the body streams); an
     error status is read whole and raised as an `UpstreamError`."""
-    what = f"{worker.role} worker {worker.url}{path}"
-    request = worker.client.build_request(
-        "POST", path, content=content, headers={**JSON_HEADERS, **headers}, timeout=timeout
-    )
-    with _failures(worker, what):
-        r = await worker.client.send(request, stream=True)
-        if r.status_code != 200:
-            try:
-                body = await r.aread()
-            finally:
-                await r.aclose()
-            raise UpstreamError(worker, f"{what} answered {r.status_code}", r.status_code, body)
-    return r
+    return await _send(worker, path, content, headers, timeout)
 
 
 def error_message(body: bytes | None) -> str | None:

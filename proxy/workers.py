@@ -19,7 +19,8 @@ ROLES = ("prefill", "decode")
 class Worker:
     url: str
     role: str
-    client: httpx.AsyncClient
+    client: httpx.AsyncClient  # health checks, admin calls, /v1/models
+    transport: httpx.AsyncBaseTransport  # the client's; the request path sends through it
     is_healthy: bool = False  # until the first health check passes
     is_draining: bool = False
     num_outstanding: int = 0
@@ -27,6 +28,14 @@ class Worker:
     num_successes: int = 0  # consecutive good checks
     last_error: str | None = None
     changed_at: float = field(default_factory=time.monotonic)
+    _endpoints: dict[str, httpx.URL] = field(default_factory=dict, repr=False)
+
+    def endpoint(self, path: str) -> httpx.URL:
+        """The absolute URL of `path` on this worker (parsed once: httpx's URL merging costs)."""
+        url = self._endpoints.get(path)
+        if url is None:
+            url = self._endpoints[path] = httpx.URL(self.url + path)
+        return url
 
     @property
     def is_routable(self) -> bool:
