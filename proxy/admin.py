@@ -16,8 +16,8 @@ from typing import Literal
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 
-from common.api.app import read_json_body
 from common.api.errors import APIError, InvalidRequestError, NotFoundError
+from common.api.http import read_json_body
 from proxy.workers import Worker
 
 

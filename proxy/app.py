@@ -17,7 +17,6 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from common.api.app import error_response, install_error_handlers
 from common.api.errors import (
     APIError,
     AuthenticationError,
@@ -25,6 +24,7 @@ from common.api.errors import (
     ServerError,
     UnavailableError,
 )
+from common.api.http import error_response, install_error_handlers
 from proxy.config import ProxyConfig
 from proxy.health import HealthChecker
 from proxy.metrics import ProxyMetrics

@@ -37,6 +37,7 @@ class _Connection(asyncio.Protocol):
         self.error: Exception | None = None
         self._waiter: asyncio.Future | None = None
         self._headers_done = False
+        self.keep_alive = False
 
     # -- asyncio.Protocol -------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -60,6 +61,7 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()  # NOTE: False once the message ends
         self._headers_done = True
         self._wake()
 
@@ -124,7 +126,7 @@ class _Connection(asyncio.Protocol):
 
     @property
     def is_reusable(self) -> bool:
-        return self.is_complete and not self.is_closed and self.parser.should_keep_alive()
+        return self.is_complete and not self.is_closed and self.keep_alive
 
     def close(self) -> None:
         self.is_closed = True

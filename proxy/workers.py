@@ -15,7 +15,7 @@ import httpx
 ROLES = ("prefill", "decode")
 
 
-@dataclass
+@dataclass(eq=False)  # a worker is itself: compared and hashed by identity
 class Worker:
     url: str
     role: str

@@ -26,13 +26,14 @@ import httpx
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field, ValidationError
 
-from common.api.app import ServerState, read_json_body
+from common.api.app import ServerState
 from common.api.errors import (
     AuthenticationError,
     InvalidRequestError,
     NotFoundError,
     UnavailableError,
 )
+from common.api.http import read_json_body
 from common.api.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from common.kv_cache.block_pool import NoFreeBlocksError
 from common.kv_transfer.handshake import (

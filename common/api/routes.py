@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
-from common.api.app import ServerState, read_json_body
+from common.api.app import ServerState
 from common.api.chat import create_chat_completion
 from common.api.completions import create_completion
+from common.api.http import read_json_body
 from common.api.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
 

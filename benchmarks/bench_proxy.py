@@ -1,0 +1,184 @@
+"""What a proxy costs: this proxy vs the Rust `vllm-router` (`--vllm-pd-disaggregation`), both in
+front of the same instant stub workers (benchmarks/proxy_stubs.py: a P that returns transfer
+params, a D that streams 16 chunks), loaded by `wrk` (C, so the load generator costs little).
+
+For each target and concurrency: requests/s, p50 and p99 latency of a streamed completion, and
+errors; "direct D" is the floor (the client streams from the D stub itself, no proxy). Both
+proxies route round robin. The router is installed by this script into its own virtualenv.
+
+    .venv/bin/python benchmarks/bench_proxy.py [--duration 10] [--concurrency 1 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+ROUTER_VENV = Path.home() / ".cache" / "pdserve" / "bench" / "vllm-router-venv"
+BODY = {"model": "stub", "prompt": "hello world", "max_tokens": 16, "stream": True}
+_LUA = """wrk.method = "POST"
+wrk.body = '{body}'
+wrk.headers["Content-Type"] = "application/json"
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_wrk() -> str:
+    if shutil.which("wrk") is None:
+        print("installing wrk (Debian package) ...", file=sys.stderr)
+        subprocess.run(["apt-get", "install", "-y", "-q", "wrk"], check=False, capture_output=True)
+    path = shutil.which("wrk")
+    if path is None:
+        sys.exit("bench_proxy needs wrk: apt-get install wrk")
+    return path
+
+
+def ensure_router(version: str) -> Path:
+    exe = ROUTER_VENV / "bin" / "vllm-router"
+    if not exe.exists():
+        print(f"installing vllm-router=={version} into {ROUTER_VENV} ...", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(ROUTER_VENV)], check=True)
+        pip = [str(ROUTER_VENV / "bin" / "python"), "-m", "pip", "install", "-q"]
+        subprocess.run([*pip, f"vllm-router=={version}"], check=True)
+    return exe
+
+
+class Processes:
+    """Children in their own sessions, all stopped on exit."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, cmd: list[str]) -> None:
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 — lives with the child
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.procs.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log, start_new_session=True)
+        )
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def wait_serving(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.post(url, json=BODY, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not serve in {timeout}s")
+
+
+def run_wrk(wrk: str, url: str, concurrency: int, duration: float, script: Path) -> dict:
+    cmd = [wrk, "-t1", f"-c{concurrency}", f"-d{duration}s", "--latency", "-s", str(script), url]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    errors = sum(int(n) for n in re.findall(r"(?:Non-2xx or 3xx responses|timeout) (\d+)", out))
+    errors += sum(int(n) for n in re.findall(r"(?:connect|read|write) (\d+)", out))
+    return {
+        "rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out)[1]),
+        "p50_ms": _ms(re.search(r"50%\s+(\S+)", out)[1]),
+        "p99_ms": _ms(re.search(r"99%\s+(\S+)", out)[1]),
+        "errors": errors,
+    }
+
+
+def _ms(text: str) -> float:
+    value, unit = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text).groups()
+    return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3}[unit]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--duration", type=float, default=10.0, help="seconds per measurement")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--router-version", default="0.1.17")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    a = ap.parse_args()
+    wrk, router = ensure_wrk(), ensure_router(a.router_version)
+    ports = {name: free_port() for name in ("prefill", "decode", "pdserve", "router")}
+    p_url, d_url = (f"http://127.0.0.1:{ports[r]}" for r in ("prefill", "decode"))
+    log_dir = Path(tempfile.mkdtemp(prefix="bench_proxy_"))
+    script = log_dir / "post.lua"
+    script.write_text(_LUA.format(body=json.dumps(BODY)))
+    procs = Processes(log_dir)
+    stub = [sys.executable, str(ROOT / "benchmarks" / "proxy_stubs.py")]
+    procs.start("stub_prefill", [*stub, "prefill", "--port", str(ports["prefill"])])
+    procs.start("stub_decode", [*stub, "decode", "--port", str(ports["decode"])])
+    procs.start("pdserve", [
+        sys.executable, "-m", "proxy", "--prefill", p_url, "--decode", d_url,
+        "--port", str(ports["pdserve"]), "--log-level", "warning",
+        "--prefill-policy", "round_robin", "--decode-policy", "round_robin",
+    ])  # fmt: skip
+    procs.start("router", [
+        str(router), "--vllm-pd-disaggregation", "--prefill", p_url, "--decode", d_url,
+        "--port", str(ports["router"]), "--policy", "round_robin", "--log-level", "warning",
+    ])  # fmt: skip
+    targets = {
+        "direct D (floor)": f"{d_url}/v1/completions",
+        "pdserve proxy": f"http://127.0.0.1:{ports['pdserve']}/v1/completions",
+        "vllm-router": f"http://127.0.0.1:{ports['router']}/v1/completions",
+    }
+    results: dict[str, dict[int, dict]] = {}
+    try:
+        for url in targets.values():
+            wait_serving(url)
+        for name, url in targets.items():
+            run_wrk(wrk, url, 4, 1.0, script)  # warm-up: connections, caches
+            results[name] = {c: run_wrk(wrk, url, c, a.duration, script) for c in a.concurrency}
+    finally:
+        procs.stop()
+    report(results, a.concurrency, a.duration)
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=2))
+
+
+def report(results: dict, concurrencies: list[int], duration: float) -> None:
+    print(f"\nstreamed completions, 16 chunks, {duration:.0f} s per row, wrk -t1\n")
+    print("| target | concurrency | req/s | p50 ms | p99 ms | errors |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, rows in results.items():
+        for c in concurrencies:
+            r = rows[c]
+            print(f"| {name} | {c} | {r['rps']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} "
+                  f"| {r['errors']} |")  # fmt: skip
+    ours, peer, floor = (results[k] for k in ("pdserve proxy", "vllm-router", "direct D (floor)"))
+    print("\n| concurrency | req/s pdserve / router | p50 pdserve − router (ms) "
+          "| p50 added over direct D: pdserve / router (ms) |")  # fmt: skip
+    print("|---:|---:|---:|---:|")
+    for c in concurrencies:
+        o, p, f = ours[c], peer[c], floor[c]
+        print(f"| {c} | {o['rps'] / p['rps']:.2f} | {o['p50_ms'] - p['p50_ms']:+.2f} "
+              f"| {o['p50_ms'] - f['p50_ms']:.2f} / {p['p50_ms'] - f['p50_ms']:.2f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""The proxy's parts on their own: routing policies, health state, configuration, the request's
+derived bodies, the events it writes itself, and the lean transport against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections import Counter
+
+import httpx
+import pytest
+import uvicorn
+
+from proxy.config import from_dict, parse_args
+from proxy.policies import LeastOutstanding, PowerOfTwo, PrefixAware, RoundRobin
+from proxy.request import CHAT_PATH, COMPLETIONS_PATH, ProxyRequest
+from proxy.sse import first_token_events, is_role_chunk
+from proxy.transport import LeanTransport
+from proxy.workers import Worker
+
+
+def workers(n: int) -> list[Worker]:
+    client = httpx.AsyncClient()
+    return [Worker(f"http://w{i}:1", "prefill", client, client._transport) for i in range(n)]
+
+
+def test_round_robin_and_least_outstanding():
+    ws = workers(3)
+    rr = RoundRobin()
+    assert [rr.choose(ws, "").url for _ in range(6)] == [w.url for w in ws] * 2
+    ws[0].num_outstanding, ws[1].num_outstanding, ws[2].num_outstanding = 3, 1, 2
+    assert LeastOutstanding().choose(ws, "") is ws[1]
+
+
+def test_power_of_two_never_picks_the_most_loaded_of_three():
+    ws = workers(3)
+    for w, load in zip(ws, (0, 5, 9)):
+        w.num_outstanding = load
+    p2c = PowerOfTwo(random.Random(0))
+    picks = Counter(p2c.choose(ws, "").url for _ in range(300))
+    assert ws[2].url not in picks and picks[ws[0].url] > picks[ws[1].url]
+
+
+def test_prefix_aware_is_sticky_spreads_and_respects_load_bounds():
+    ws = workers(4)
+    policy = PrefixAware()
+    keys = [f"system prompt {i}" for i in range(200)]
+    first = {k: policy.choose(ws, k) for k in keys}
+    assert all(policy.choose(ws, k) is first[k] for k in keys)  # same prefix → same worker
+    assert len(set(first.values())) == 4  # and different prefixes spread over all
+    hot = first[keys[0]]
+    hot.num_outstanding = 50  # far above the bounded-load limit
+    assert policy.choose(ws, keys[0]) is not hot
+    survivors = [w for w in ws if w is not hot]  # removing a worker moves only its keys
+    hot.num_outstanding = 0
+    moved = [k for k in keys if first[k] is not hot and policy.choose(survivors, k) is not first[k]]
+    assert not moved
+
+
+def test_worker_health_thresholds():
+    (w,) = workers(1)
+    assert not w.is_healthy
+    assert w.record_check(True, None, failures=2, successes=2) is False
+    assert w.record_check(True, None, failures=2, successes=2) is True and w.is_healthy
+    assert not w.record_check(False, "down", failures=2, successes=2) and w.is_healthy
+    assert w.record_check(False, "down", failures=2, successes=2) and not w.is_healthy
+    w.record_check(True, None, 2, 1)
+    w.eject("connect refused")
+    assert not w.is_routable and w.last_error == "connect refused"
+    w.record_check(True, None, 2, 1)
+    w.is_draining = True
+    assert w.is_healthy and not w.is_routable
+
+
+def test_config_from_flags_file_and_errors(tmp_path, capsys):
+    path = tmp_path / "proxy.json"
+    path.write_text(json.dumps({"prefill": ["http://p:8100"], "decode": ["http://d:8200"],
+                                "health": {"interval": 5}, "min-disagg-tokens": 64}))  # fmt: skip
+    cfg = parse_args(["--config", str(path), "--port", "9000", "--health-failures", "3"])
+    assert cfg.prefill == ("http://p:8100",) and cfg.port == 9000
+    assert cfg.min_disagg_tokens == 64
+    assert (cfg.health.interval, cfg.health.failure_threshold) == (5, 3)
+    for bad, message in [
+        ({"prefill": ["http://p"]}, "--decode"),
+        ({"decode": ["d:8200"]}, "http://"),
+        ({"decode": ["http://d"], "decode_policy": "prefix"}, "prefill workers only"),
+        ({"decode": ["http://d"], "colour": 1}, "unknown settings: colour"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            from_dict(bad)
+    with pytest.raises(SystemExit):
+        parse_args(["--prefill", "http://p"])
+    assert "--decode" in capsys.readouterr().err
+
+
+def test_prefill_and_decode_bodies():
+    raw = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                      "stream_options": {"include_usage": True}, "max_completion_tokens": 50,
+                      "min_tokens": 5, "logprobs": True, "top_logprobs": 2}).encode()  # fmt: skip
+    req = ProxyRequest.parse(CHAT_PATH, raw, "rid")
+    body = req.prefill_body(push_to=None)
+    assert body["max_tokens"] == 1 and body["stream"] is False and body["n"] == 1
+    assert body["min_tokens"] == 1 and body["kv_transfer_params"] == {"do_remote_decode": True}
+    assert not {"stream_options", "max_completion_tokens", "logprobs", "top_logprobs"} & set(body)
+    assert not req.can_stream_first_token  # logprobs: D streams every token itself
+    decoded = json.loads(req.decode_body({"remote_engine_id": "e"}))
+    assert decoded["kv_transfer_params"] == {"remote_engine_id": "e"} and decoded["min_tokens"] == 5
+    ids = ProxyRequest.parse(COMPLETIONS_PATH, b'{"prompt": [1, 2, 3, 4, 5]}', "r")
+    assert ids.estimated_tokens() == 5 and not ids.is_batch
+    assert ProxyRequest.parse(COMPLETIONS_PATH, b'{"prompt": ["a", "b"]}', "r").is_batch
+    assert ProxyRequest.parse(COMPLETIONS_PATH, b'{"prompt": "' + b"x" * 400 + b'"}', "r")\
+        .estimated_tokens() == 100  # fmt: skip
+
+
+def test_first_token_events_look_like_a_workers_stream():
+    answer = {"created": 7, "model": "m", "choices": [{"message": {"content": "Hel"},
+              "token_ids": [42]}], "prompt_token_ids": [1, 2]}  # fmt: skip
+    events = first_token_events(True, "rid", answer, {"return_token_ids": True}).split(b"\n\n")
+    role, content = (json.loads(e[len(b"data: ") :]) for e in events[:2])
+    assert is_role_chunk(events[0]) and role["id"] == "chatcmpl-rid"
+    assert role["prompt_token_ids"] == [1, 2]
+    assert content["choices"][0]["delta"] == {"content": "Hel"}
+    assert content["choices"][0]["token_ids"] == [42]
+    text = first_token_events(False, "rid", {"choices": [{"text": "Hel"}]}, {})
+    assert json.loads(text[len(b"data: ") :])["choices"][0]["text"] == "Hel"
+    assert not is_role_chunk(text)
+
+
+async def _chunked_app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    if scope["path"] == "/slow":
+        await asyncio.sleep(1)
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    for i in range(3):
+        await send({"type": "http.response.body", "body": b"part%d;" % i, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+
+
+def test_lean_transport_keep_alive_streaming_and_errors():
+    async def scenario():
+        port = _free_port()
+        server = uvicorn.Server(uvicorn.Config(_chunked_app, port=port, log_level="warning"))
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        transport = LeanTransport()
+        client = httpx.AsyncClient(transport=transport, base_url=f"http://127.0.0.1:{port}")
+        try:
+            for _ in range(3):  # one connection, kept alive and reused
+                r = await client.post("/", content=b"x" * 10)
+                assert r.status_code == 200 and r.content == b"part0;part1;part2;"
+            assert len(transport._idle) == 1
+            with pytest.raises(httpx.ReadTimeout):
+                await client.get("/slow", timeout=0.2)
+            with pytest.raises(httpx.ConnectError):
+                await httpx.AsyncClient(transport=LeanTransport()).get("http://127.0.0.1:9/")
+        finally:
+            await client.aclose()
+            server.should_exit = True
+            await serving
+
+    asyncio.run(scenario())
+
+
+def _free_port() -> int:
+    from tests.servers import free_port
+
+    return free_port()
