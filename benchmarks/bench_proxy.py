@@ -6,7 +6,7 @@ For each target and concurrency: requests/s, p50 and p99 latency of a streamed c
 errors; "direct D" is the floor (the client streams from the D stub itself, no proxy). Both
 proxies route round robin. The router is installed by this script into its own virtualenv.
 
-    .venv/bin/python benchmarks/bench_proxy.py [--duration 10] [--concurrency 1 32]
+    .venv/bin/python benchmarks/bench_proxy.py [--duration 5] [--repeats 3] [--concurrency 1 32]
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def ensure_router(version: str) -> Path:
         print(f"installing vllm-router=={version} into {ROUTER_VENV} ...", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "venv", "--clear", str(ROUTER_VENV)], check=True)
         pip = [str(ROUTER_VENV / "bin" / "python"), "-m", "pip", "install", "-q"]
-        subprocess.run([*pip, f"vllm-router=={version}"], check=True)
+        subprocess.run([*pip, f"vllm-router=={version}"], check=True, stderr=subprocess.DEVNULL)
     return exe
 
 
@@ -86,9 +86,12 @@ class Processes:
                 os.killpg(p.pid, signal.SIGKILL)
 
 
-def wait_serving(url: str, timeout: float = 60.0) -> None:
+def wait_serving(url: str, procs: Processes, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        dead = [p for p in procs.procs if p.poll() is not None]
+        if dead:
+            sys.exit(f"a child exited ({dead[0].args[:3]}...); logs in {procs.log_dir}")
         try:
             if httpx.post(url, json=BODY, timeout=2).status_code == 200:
                 return
@@ -99,7 +102,8 @@ def wait_serving(url: str, timeout: float = 60.0) -> None:
 
 
 def run_wrk(wrk: str, url: str, concurrency: int, duration: float, script: Path) -> dict:
-    cmd = [wrk, "-t1", f"-c{concurrency}", f"-d{duration}s", "--latency", "-s", str(script), url]
+    seconds = max(1, round(duration))
+    cmd = [wrk, "-t1", f"-c{concurrency}", f"-d{seconds}s", "--latency", "-s", str(script), url]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     errors = sum(int(n) for n in re.findall(r"(?:Non-2xx or 3xx responses|timeout) (\d+)", out))
     errors += sum(int(n) for n in re.findall(r"(?:connect|read|write) (\d+)", out))
@@ -111,6 +115,11 @@ def run_wrk(wrk: str, url: str, concurrency: int, duration: float, script: Path)
     }
 
 
+def _median(rows: list[dict]) -> dict:
+    """Per metric, the median over repeats."""
+    return {k: sorted(r[k] for r in rows)[len(rows) // 2] for k in rows[0]}
+
+
 def _ms(text: str) -> float:
     value, unit = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text).groups()
     return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3}[unit]
@@ -118,13 +127,14 @@ def _ms(text: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--duration", type=float, default=10.0, help="seconds per measurement")
+    ap.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians reported")
     ap.add_argument("--router-version", default="0.1.17")
     ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args()
     wrk, router = ensure_wrk(), ensure_router(a.router_version)
-    ports = {name: free_port() for name in ("prefill", "decode", "pdserve", "router")}
+    ports = {name: free_port() for name in ("prefill", "decode", "pdserve", "router", "metrics")}
     p_url, d_url = (f"http://127.0.0.1:{ports[r]}" for r in ("prefill", "decode"))
     log_dir = Path(tempfile.mkdtemp(prefix="bench_proxy_"))
     script = log_dir / "post.lua"
@@ -141,6 +151,7 @@ def main() -> None:
     procs.start("router", [
         str(router), "--vllm-pd-disaggregation", "--prefill", p_url, "--decode", d_url,
         "--port", str(ports["router"]), "--policy", "round_robin", "--log-level", "warning",
+        "--prometheus-port", str(ports["metrics"]),
     ])  # fmt: skip
     targets = {
         "direct D (floor)": f"{d_url}/v1/completions",
@@ -150,19 +161,26 @@ def main() -> None:
     results: dict[str, dict[int, dict]] = {}
     try:
         for url in targets.values():
-            wait_serving(url)
-        for name, url in targets.items():
+            wait_serving(url, procs)
+        for url in targets.values():
             run_wrk(wrk, url, 4, 1.0, script)  # warm-up: connections, caches
-            results[name] = {c: run_wrk(wrk, url, c, a.duration, script) for c in a.concurrency}
+        runs: dict[tuple[str, int], list[dict]] = {}
+        for _ in range(a.repeats):  # interleaved, so that a noisy moment hits every target
+            for c in a.concurrency:
+                for name, url in targets.items():
+                    runs.setdefault((name, c), []).append(run_wrk(wrk, url, c, a.duration, script))
+        for (name, c), rows in runs.items():
+            results.setdefault(name, {})[c] = _median(rows)
     finally:
         procs.stop()
-    report(results, a.concurrency, a.duration)
+    report(results, a.concurrency, a.duration, a.repeats)
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))
 
 
-def report(results: dict, concurrencies: list[int], duration: float) -> None:
-    print(f"\nstreamed completions, 16 chunks, {duration:.0f} s per row, wrk -t1\n")
+def report(results: dict, concurrencies: list[int], duration: float, repeats: int) -> None:
+    print(f"\nstreamed completions, 16 chunks, wrk -t1, medians of {repeats} interleaved "
+          f"{duration:.0f}-s runs\n")  # fmt: skip
     print("| target | concurrency | req/s | p50 ms | p99 ms | errors |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, rows in results.items():
