@@ -1,0 +1,250 @@
+"""Serving benchmark against any OpenAI-compatible server, in the manner of `vllm bench serve`.
+
+    python -m benchmarks.serve --base-url http://127.0.0.1:8200 --endpoint-type chat \
+        --num-prompts 32 --random-input-len 128 --random-output-len 32 --max-concurrency 4 \
+        --result-file out/run.json --plot-dir out/
+    python -m benchmarks.serve compare a.json b.json
+
+Every request is streamed (`stream_options.include_usage`); metric definitions are in
+`benchmarks/serving/metrics.py` and `client.py`, and in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: python benchmarks/serve.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+
+from benchmarks.serving import plots, report  # noqa: E402
+from benchmarks.serving.client import (  # noqa: E402
+    ENDPOINT_TYPES,
+    Endpoint,
+    ModelLookupError,
+    first_model,
+)
+from benchmarks.serving.config import BenchConfig  # noqa: E402
+from benchmarks.serving.datasets import (  # noqa: E402
+    DATASETS,
+    DatasetConfig,
+    SampleRequest,
+    load_samples,
+)
+from benchmarks.serving.metrics import SLO_METRICS, compute_metrics  # noqa: E402
+from benchmarks.serving.runner import LoadConfig, run_benchmark  # noqa: E402
+
+
+def slo(text: str) -> tuple[str, float]:
+    """`ttft:500` → ("ttft", 500.0)."""
+    name, sep, value = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r}: an SLO is KEY:MILLISECONDS, e.g. ttft:500")
+    if name not in SLO_METRICS:
+        raise argparse.ArgumentTypeError(f"{text!r}: unknown SLO {name!r}; use {SLO_METRICS}")
+    try:
+        limit = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: {value!r} is not a number") from None
+    if limit < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: an SLO must be >= 0 ms")
+    return name, limit
+
+
+def comma_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def percentile_list(text: str) -> list[float]:
+    try:
+        return [float(p) for p in comma_list(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give numbers, e.g. 50,90,99") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdserve-bench-serve",
+        usage="%(prog)s [options]\n       %(prog)s compare A.json B.json",
+        description="Serving benchmark (TTFT, TPOT, ITL, E2EL, throughput, goodput) against an "
+        "OpenAI-compatible server. `compare A.json B.json` prints two results side by side.",
+    )
+    server = p.add_argument_group("server")
+    server.add_argument("--base-url", default="http://127.0.0.1:8000")
+    server.add_argument("--endpoint-type", choices=list(ENDPOINT_TYPES), default="completions")
+    server.add_argument("--model", help="default: the first id of GET /v1/models")
+    server.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    server.add_argument("--request-timeout", type=float, default=600.0, help="s, per request")
+    data = p.add_argument_group("dataset")
+    data.add_argument("--dataset-name", choices=DATASETS, default="random")
+    data.add_argument("--dataset-path", help="ShareGPT JSON, or a text file of prompts")
+    data.add_argument("--num-prompts", type=int, default=100)
+    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--random-input-len", type=int, default=1024)
+    data.add_argument("--random-output-len", type=int, default=128)
+    data.add_argument("--random-range-ratio", type=float, default=0.0)
+    data.add_argument("--random-prefix-len", type=int, default=0, help="tokens shared by all")
+    data.add_argument(
+        "--random-token-range",
+        type=int,
+        nargs=2,
+        default=[100, 1000],
+        metavar=("LOW", "HIGH"),
+        help="token ids of random completions prompts are drawn from [LOW, HIGH)",
+    )
+    data.add_argument("--sharegpt-output-len", type=int, help="default: the reply's length")
+    data.add_argument("--sharegpt-max-output-len", type=int, default=1024)
+    data.add_argument("--prompts-output-len", type=int, default=128)
+    load = p.add_argument_group("load")
+    load.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s")
+    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    load.add_argument("--max-concurrency", type=int)
+    load.add_argument("--num-warmups", type=int, default=0)
+    load.add_argument("--duration", type=float, help="s; send nothing after it")
+    sampling = p.add_argument_group("sampling")
+    sampling.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    sampling.add_argument("--temperature", type=float, default=0.0)
+    out = p.add_argument_group("output")
+    out.add_argument(
+        "--percentile-metrics", type=comma_list, default=["ttft", "tpot", "itl", "e2el"]
+    )
+    out.add_argument("--metric-percentiles", type=percentile_list, default=[50.0, 90.0, 99.0])
+    out.add_argument("--goodput", type=slo, nargs="+", metavar="KEY:MS", default=[])
+    out.add_argument("--result-file", help="write the result JSON here")
+    out.add_argument("--plot-dir", help="write latency_cdf.png and throughput.png here")
+    out.add_argument("--disable-progress", action="store_true")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    dataset = DatasetConfig(
+        name=args.dataset_name,
+        path=args.dataset_path,
+        random_input_len=args.random_input_len,
+        random_output_len=args.random_output_len,
+        random_range_ratio=args.random_range_ratio,
+        random_prefix_len=args.random_prefix_len,
+        random_token_range=tuple(args.random_token_range),
+        sharegpt_output_len=args.sharegpt_output_len,
+        sharegpt_max_output_len=args.sharegpt_max_output_len,
+        prompts_output_len=args.prompts_output_len,
+    )
+    load = LoadConfig(
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        num_warmups=args.num_warmups,
+        duration=args.duration,
+        show_progress=not args.disable_progress,
+    )
+    return BenchConfig(
+        base_url=args.base_url,
+        endpoint_type=args.endpoint_type,
+        model=args.model,
+        api_key=args.api_key,
+        request_timeout=args.request_timeout,
+        num_prompts=args.num_prompts,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        dataset=dataset,
+        load=load,
+        percentile_metrics=tuple(args.percentile_metrics),
+        percentiles=tuple(args.metric_percentiles),
+        slos_ms=dict(args.goodput),
+        result_file=args.result_file,
+        plot_dir=args.plot_dir,
+    )
+
+
+async def benchmark(cfg: BenchConfig, samples: list[SampleRequest], args: dict) -> dict:
+    """Send `samples` as `cfg` says; print the table; write the result file and plots."""
+    concurrency = cfg.load.max_concurrency
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    timeout = httpx.Timeout(cfg.request_timeout, connect=min(10.0, cfg.request_timeout))
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        model = cfg.model or await first_model(client, cfg.root_url, cfg.api_key)
+        endpoint = Endpoint(
+            cfg.root_url,
+            cfg.endpoint_type,
+            model,
+            cfg.api_key,
+            cfg.ignore_eos,
+            cfg.temperature,
+            cfg.request_timeout,
+        )
+        burst = "Poisson process" if cfg.load.burstiness == 1.0 else "Gamma distribution"
+        print(f"Model: {model}  Endpoint: {endpoint.url}  Requests: {len(samples)}")
+        print(f"Traffic request rate: {cfg.load.request_rate}")
+        print(f"Burstiness factor: {cfg.load.burstiness} ({burst})")
+        print(f"Maximum request concurrency: {concurrency}", flush=True)
+        run = await run_benchmark(client, endpoint, samples, cfg.load, cfg.seed)
+    metrics = compute_metrics(run.records, run.duration, list(cfg.percentiles), cfg.slos_ms)
+    print(
+        report.format_table(
+            metrics,
+            list(cfg.percentile_metrics),
+            list(cfg.percentiles),
+            concurrency,
+            cfg.load.request_rate,
+        )
+    )
+    result = report.build_result(metrics, run, args, model, cfg.endpoint_type)
+    if cfg.result_file:
+        report.write_result(cfg.result_file, result)
+        print(f"Wrote {cfg.result_file}")
+    if cfg.plot_dir:
+        _plot(run.records, cfg.plot_dir, f"({model}, {cfg.endpoint_type})")
+    return result
+
+
+def _plot(records, plot_dir: str, title: str) -> None:
+    if not plots.has_matplotlib():
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plots", file=sys.stderr)
+        return
+    for path in plots.write_plots(records, plot_dir, title):
+        print(f"Wrote {path}")
+
+
+def compare_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="pdserve-bench-serve compare",
+        description="Two result files side by side, with the ratio b/a.",
+    )
+    p.add_argument("a")
+    p.add_argument("b")
+    args = p.parse_args(argv)
+    try:
+        a, b = report.load_result(args.a), report.load_result(args.b)
+    except ValueError as e:
+        p.error(str(e))
+    print(report.format_compare(a, b, Path(args.a).stem, Path(args.b).stem))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["compare"]:
+        return compare_main(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+        is_chat = cfg.endpoint_type == "chat"
+        samples = load_samples(cfg.dataset, cfg.num_prompts, is_chat, cfg.seed)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        asyncio.run(benchmark(cfg, samples, vars(args)))
+    except ModelLookupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The benchmark's settings: one frozen dataclass, validated on creation (the CLI builds it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from benchmarks.serving.client import ENDPOINT_TYPES
+from benchmarks.serving.datasets import DatasetConfig
+from benchmarks.serving.metrics import LATENCY_METRICS, SLO_METRICS
+from benchmarks.serving.runner import LoadConfig
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    base_url: str = "http://127.0.0.1:8000"
+    endpoint_type: str = "completions"
+    model: str | None = None  # None: the first id of GET /v1/models
+    api_key: str | None = None
+    request_timeout: float = 600.0
+    num_prompts: int = 100
+    seed: int = 0
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    load: LoadConfig = field(default_factory=LoadConfig)
+    percentile_metrics: tuple[str, ...] = LATENCY_METRICS
+    percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
+    slos_ms: dict[str, float] = field(default_factory=dict)  # --goodput
+    result_file: str | None = None
+    plot_dir: str | None = None
+
+    def __post_init__(self):
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"--base-url must start with http:// or https://: {self.base_url}")
+        if self.endpoint_type not in ENDPOINT_TYPES:
+            raise ValueError(f"--endpoint-type must be one of {list(ENDPOINT_TYPES)}")
+        if self.num_prompts < 1:
+            raise ValueError(f"--num-prompts must be >= 1, got {self.num_prompts}")
+        if not self.request_timeout > 0:
+            raise ValueError(f"--request-timeout must be > 0, got {self.request_timeout}")
+        unknown = set(self.percentile_metrics) - set(LATENCY_METRICS)
+        if unknown:
+            raise ValueError(
+                f"--percentile-metrics: unknown {sorted(unknown)}; "
+                f"choose from {list(LATENCY_METRICS)}"
+            )
+        if not all(0 <= p <= 100 for p in self.percentiles):
+            raise ValueError(f"--metric-percentiles must be in [0, 100]: {self.percentiles}")
+        for name, limit in self.slos_ms.items():
+            if name not in SLO_METRICS or limit < 0:
+                raise ValueError(f"--goodput: bad SLO {name}:{limit}")
+
+    @property
+    def root_url(self) -> str:
+        """The server's root, whether the URL was given with a trailing /v1 or not."""
+        url = self.base_url.rstrip("/")
+        return url[: -len("/v1")] if url.endswith("/v1") else url
