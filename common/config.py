@@ -96,6 +96,7 @@ class TransferConfig:
     lease_timeout: float = 60.0  # P: seconds a remote reader gets before held blocks are freed
     load_timeout: float = 30.0  # D: seconds a remote read may take before it counts as failed
     failure_policy: str = "recompute"  # D: when KV does not arrive: "fail" or "recompute"
+    kv_checksum: bool = False  # P sends per-layer block checksums; D verifies before decoding
 
     def __post_init__(self) -> None:
         if self.connector not in (None, "nixl"):  # common.kv_transfer.CONNECTORS

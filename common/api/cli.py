@@ -167,6 +167,12 @@ def build_parser(role: str) -> argparse.ArgumentParser:
         help="cluster token: internal routes (handshake, reserve, release) refuse requests "
         "without it, and peers are sent it (default: env PDSERVE_INTERNAL_TOKEN)",
     )
+    add(
+        "--kv-checksum",
+        action="store_true",
+        help="prefill: send a checksum per layer and block with the KV; decode: verify "
+        "received KV before decoding (a mismatch is a failed load: --kv-load-failure-policy)",
+    )
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -197,6 +203,7 @@ def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, 
                 lease_timeout=a.kv_lease_timeout,
                 load_timeout=a.kv_load_timeout,
                 failure_policy=a.kv_load_failure_policy,
+                kv_checksum=a.kv_checksum,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens

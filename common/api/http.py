@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.api.errors import (
@@ -21,7 +23,13 @@ from common.api.errors import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["error_response", "install_error_handlers", "read_json_body"]
+__all__ = [
+    "error_response",
+    "install_error_handlers",
+    "json_body_openapi",
+    "parse_json_object",
+    "read_json_body",
+]
 
 
 async def read_json_body(request: Request, limit: int) -> dict:
@@ -34,15 +42,47 @@ async def read_json_body(request: Request, limit: int) -> dict:
         body += chunk
         if len(body) > limit:
             raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
+    return parse_json_object(bytes(body))
+
+
+# a \uXXXX escape of a UTF-16 surrogate: a pair is one character, a lone one is no text at all
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """A request body as a JSON object of UTF-8 text; 400 for anything else."""
     try:
-        data = json.loads(bytes(body).decode("utf-8"))
+        data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise InvalidRequestError(f"request body is not UTF-8: {e}") from e
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:  # also: nested too deep, an int of 4300+ digits
         raise InvalidRequestError(f"request body is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise InvalidRequestError("request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):  # rare: check that every string is encodable text
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except (UnicodeEncodeError, RecursionError) as e:
+            raise InvalidRequestError("request body holds a lone UTF-16 surrogate escape") from e
     return data
+
+
+def json_body_openapi(model: type[BaseModel]) -> dict:
+    """`openapi_extra` of a route that parses its own body: `model` as its JSON request body,
+    sub-models inlined so that the schema stands alone in the OpenAPI document."""
+    schema = model.model_json_schema()
+    schema = _inline_refs(schema, schema.pop("$defs", {}))
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _inline_refs(node, defs: dict):
+    if isinstance(node, dict):
+        if "$ref" in node:  # "#/$defs/Name"; the models are not recursive
+            return _inline_refs(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
+        return {key: _inline_refs(value, defs) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_inline_refs(value, defs) for value in node]
+    return node
 
 
 def error_response(err: APIError) -> JSONResponse:

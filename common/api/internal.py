@@ -33,7 +33,7 @@ from common.api.errors import (
     NotFoundError,
     UnavailableError,
 )
-from common.api.http import read_json_body
+from common.api.http import json_body_openapi, read_json_body
 from common.api.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from common.kv_cache.block_pool import NoFreeBlocksError
 from common.kv_transfer.handshake import (
@@ -106,7 +106,7 @@ def install_internal_routes(app: FastAPI, state: ServerState) -> None:
         check_internal_token(state, request)
         return local_handshake(state).model_dump()
 
-    @app.post("/internal/kv/release")
+    @app.post("/internal/kv/release", openapi_extra=json_body_openapi(ReleaseRequest))
     async def release(request: Request):
         check_internal_token(state, request)
         body = _parse(ReleaseRequest, await read_json_body(request, 4096))
@@ -119,7 +119,7 @@ def install_internal_routes(app: FastAPI, state: ServerState) -> None:
             raise InvalidRequestError("give request_id or reservation_id", param="request_id")
         return {"released": bool(await asyncio.wrap_future(engine.call(fn, key)))}
 
-    @app.post("/internal/kv/reserve")
+    @app.post("/internal/kv/reserve", openapi_extra=json_body_openapi(ReserveRequest))
     async def reserve(request: Request):
         check_internal_token(state, request)
         body = _parse(ReserveRequest, await read_json_body(request, state.cfg.max_body_bytes))

@@ -13,10 +13,13 @@ multi-byte character therefore reads as U+FFFD, as in vLLM. Logprobs of `-inf` a
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pydantic import BaseModel
 
-from common.engine.sampler import SampledToken
-from common.tokenizer import Tokenizer
+if TYPE_CHECKING:  # NOTE: the proxy imports the protocol models, and must not import torch
+    from common.engine.sampler import SampledToken
+    from common.tokenizer import Tokenizer
 
 MIN_LOGPROB = -9999.0
 

@@ -93,6 +93,7 @@ class ServerMetrics:
                 ("kv_push_seconds", "Seconds from a step's first KV WRITE to its last landing"),
                 ("kv_push_exposed_seconds", "Of kv_push_seconds, the part after the forward"),
                 ("kv_push_failures", "KV WRITEs that failed or timed out"),
+                ("kv_checksum_failures", "KV loads whose checksum did not match P's"),
             )
         }
         self.blocks_held = Gauge(

@@ -13,7 +13,7 @@ Responses live in `common.api.responses` (re-exported here; dump each with
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -45,7 +45,9 @@ from common.api.responses import (  # noqa: F401 (re-exported)
     random_id,
 )
 from common.engine.sampling_params import SamplingParams
-from common.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the proxy imports these models without torch or tokenizers
+    from common.tokenizer import Tokenizer
 
 MAX_LOGPROBS = 20
 # chat_template_kwargs may not override what the request sets through its own fields

@@ -8,18 +8,18 @@ from fastapi import FastAPI, Request
 from common.api.app import ServerState
 from common.api.chat import create_chat_completion
 from common.api.completions import create_completion
-from common.api.http import read_json_body
+from common.api.http import json_body_openapi, read_json_body
 from common.api.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
 
 def install_openai_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=json_body_openapi(CompletionRequest))
     async def completions(request: Request):
         state.require_ready()
         body = await read_json_body(request, state.cfg.max_body_bytes)
         return await create_completion(state, request, parse_request(CompletionRequest, body))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=json_body_openapi(ChatCompletionRequest))
     async def chat_completions(request: Request):
         state.require_ready()
         body = await read_json_body(request, state.cfg.max_body_bytes)

@@ -53,6 +53,7 @@ class EngineStats:
     kv_push_seconds: float = 0.0
     kv_push_exposed_seconds: float = 0.0
     kv_push_failures: int = 0
+    kv_checksum_failures: int = 0
     kv_blocks_held: int = 0
 
 
@@ -233,5 +234,6 @@ class AsyncEngine:
             kv_push_seconds=transfer.seconds_pushing if transfer else 0.0,
             kv_push_exposed_seconds=transfer.seconds_push_exposed if transfer else 0.0,
             kv_push_failures=transfer.num_push_failures if transfer else 0,
+            kv_checksum_failures=transfer.num_checksum_failures if transfer else 0,
             kv_blocks_held=leases.num_blocks_held if leases is not None else 0,
         )

@@ -166,9 +166,15 @@ class LLMEngine:
             rid = req.remote_prefill.push_reservation_id
             state = self.connector.reservation_state(rid)
             if state == "ready":
-                req.blocks = self.connector.claim_reservation(rid)
-                req.num_computed_tokens = req.num_tokens - 1
+                blocks = self.connector.claim_reservation(rid)
+                why = self.connector.verify_pushed(req.remote_prefill, [b.block_id for b in blocks])
                 req.remote_prefill = None
+                if why is not None:  # fail closed: never decode from KV that did not check out
+                    self.pool.free(list(reversed(blocks)))
+                    self._on_lost_kv(req, why)
+                    continue
+                req.blocks = blocks
+                req.num_computed_tokens = req.num_tokens - 1
                 self.scheduler.add_request(req)
             elif state == "gone" or time.monotonic() > deadline:
                 self._give_back_remote(req)
@@ -216,7 +222,7 @@ class LLMEngine:
     def _drop_failed_loads(self, sched, sampled: dict) -> list[Request]:
         """Requests whose remote KV did not arrive: recomputed locally, or failed, by policy.
         Their sampled token is dropped and their blocks are never cached."""
-        failed = self.connector.take_failed() if self.connector else set()
+        failed = self.connector.take_failed() if self.connector else {}
         if not failed:
             return []
         lost = [req for req, _ in sched.scheduled if req.request_id in failed]
@@ -226,7 +232,10 @@ class LLMEngine:
             if self.config.transfer.failure_policy == "recompute":
                 self.scheduler.recompute(req)
             else:
-                req.error = "the prompt's KV cache did not arrive from the prefill worker"
+                req.error = (
+                    "the prompt's KV cache did not arrive from the prefill worker: "
+                    f"{failed[req.request_id]}"
+                )
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
         return [req for req in lost if req.is_finished]
 
@@ -312,7 +321,9 @@ class LLMEngine:
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    seed = None if params.seed is None else params.seed + index
+    # NOTE: torch takes seeds modulo 2**64 (-1 is 2**64 - 1) but refuses any outside
+    # [-2**63, 2**64): wrap, so that the last seed the API accepts still has siblings
+    seed = None if params.seed is None else (params.seed + index) % 2**64
     return dataclasses.replace(params, n=1, seed=seed)
 
 

@@ -49,11 +49,13 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(value, name, _finite(value) and -2 <= value <= 2, "in [-2, 2]")
+        # NOTE: bounded so that logits divided or multiplied by it stay finite in float32
+        # (1e-308 rounds to 0 there: inf logits, NaN weights, an out-of-vocabulary sample)
         _check(
             self.repetition_penalty,
             "repetition_penalty",
-            _finite(self.repetition_penalty) and self.repetition_penalty > 0,
-            "> 0",
+            _finite(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 100,
+            "in [0.01, 100]",
         )
         if self.logprobs is not None:
             _check(self.logprobs, "logprobs", 0 <= self.logprobs <= 20, "in [0, 20]")

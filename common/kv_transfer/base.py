@@ -19,7 +19,8 @@ Scheduler side (the engine calls these between steps, on the same thread):
 - `build_connector_meta(scheduled)`: this step's plan, bound to the worker side by the runner.
 - `request_finished(request)`: True when the connector keeps the request's blocks (a prefill
   worker holds them for a remote reader) instead of the scheduler freeing them.
-- `take_failed()`: request ids whose KV did not fully arrive this step.
+- `take_failed()`: request ids whose KV did not fully arrive (or did not check out) this
+  step, each with why.
 - `poll()`: between steps: notifications, lease expiry; `has_pending()` asks the engine loop to
   keep calling it while idle.
 """
@@ -89,8 +90,8 @@ class KVConnector(ABC):
     def request_finished(self, request: Any) -> bool:
         return False
 
-    def take_failed(self) -> set[str]:
-        return set()
+    def take_failed(self) -> dict[str, str]:
+        return {}
 
     def poll(self) -> None:  # noqa: B027
         """Between steps: handle notifications and expiries."""

@@ -29,6 +29,7 @@ from typing import Any
 
 from common.config import TransferConfig
 from common.kv_transfer.base import KVConnector
+from common.kv_transfer.checksum import mismatch, request_checksums
 from common.kv_transfer.leases import LeaseTable
 from common.kv_transfer.params import PushTarget, RemotePrefill, push_target, wants_remote_decode
 from common.kv_transfer.reservations import PUSHED, Reservation, ReservationTable
@@ -44,6 +45,7 @@ class LoadPlan:
     remote: RemotePrefill
     local_blocks: list[int]
     remote_blocks: list[int]
+    first_block: int = 0  # index in the request of local_blocks[0] (blocks before: local hits)
     failed: bool = False
     started_at: float = 0.0
 
@@ -71,6 +73,7 @@ class TransferStats:
     seconds_loading: float = 0.0
     descriptors: int = 0
     bytes_pushed: int = 0
+    num_checksum_failures: int = 0
     num_push_failures: int = 0
     seconds_pushing: float = 0.0  # from a step's first WRITE to its last one landing
     seconds_push_exposed: float = 0.0  # of that, after the forward ended (not hidden by compute)
@@ -89,17 +92,19 @@ class NixlConnector(KVConnector):
         self._writes: list[tuple[PushPlan, Future]] = []
         self._push_started = 0.0
         self.transport = None
+        self.kv_caches: list = []
         self.layer_index: dict[str, int] = {}
         self.stats = TransferStats()
         self._plans: dict[str, LoadPlan] = {}
         self._futures: dict[int, list[tuple[LoadPlan, Future]]] = defaultdict(list)
-        self._failed: set[str] = set()
+        self._failed: dict[str, str] = {}  # request id → why its load failed
 
     # -- set-up and peers -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict) -> None:
         from common.kv_transfer.nixl_transport import NixlTransport
 
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
+        self.kv_caches = list(kv_caches.values())
         self.transport = NixlTransport(self.cfg.engine_id, list(kv_caches.values()))
         self.reservations = ReservationTable(self.pool, len(kv_caches), self.cfg.lease_timeout)
 
@@ -121,6 +126,9 @@ class NixlConnector(KVConnector):
             return False
         self._pushed_upto.pop(request.request_id, None)
         target = push_target(request.kv_transfer_params)
+        checksums = (
+            request_checksums(self.kv_caches, request.block_ids) if self.cfg.kv_checksum else None
+        )
         if target is not None:  # pushed already: nothing to hold
             request.kv_transfer_params_out = RemotePrefill(
                 remote_engine_id=self.cfg.engine_id,
@@ -130,6 +138,7 @@ class NixlConnector(KVConnector):
                 remote_port=self.cfg.advertise_port,
                 first_token_id=request.output_token_ids[0],
                 push_reservation_id=target.reservation_id,
+                kv_checksums=checksums,
             ).to_dict()
             return False
         if request.status.name == "FINISHED_ABORTED" or not request.blocks:
@@ -142,6 +151,7 @@ class NixlConnector(KVConnector):
             remote_host=self.cfg.advertise_host,
             remote_port=self.cfg.advertise_port,
             first_token_id=request.output_token_ids[0],
+            kv_checksums=checksums,
         ).to_dict()
         request.blocks = []
         return True
@@ -197,6 +207,7 @@ class NixlConnector(KVConnector):
             remote,
             request.block_ids[first:last],
             remote.remote_block_ids[first:last],
+            first_block=first,
         )
         request.remote_prefill = None  # loaded once; a later recompute is local
 
@@ -246,18 +257,39 @@ class NixlConnector(KVConnector):
                 self._futures[layer].append((plan, future))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        for plan, future in self._futures.pop(self.layer_index[layer_name], []):
+        layer = self.layer_index[layer_name]
+        for plan, future in self._futures.pop(layer, []):
             if plan.failed:
                 continue
             try:
                 result = future.result()
             except Exception as e:  # noqa: BLE001 — any failed read fails the request
-                logger.warning("KV read for %s failed: %r", plan.request_id, e)
-                plan.failed = True
-                self._failed.add(plan.request_id)
+                self._fail_load(plan, f"KV read failed: {e!r}")
                 continue
             self.stats.bytes_loaded += result.num_bytes
             self.stats.descriptors += result.num_descriptors
+            expected = plan.remote.kv_checksums
+            if expected is not None:
+                n = len(plan.local_blocks)
+                want = expected[layer][plan.first_block : plan.first_block + n]
+                why = mismatch(self.kv_caches[layer], plan.local_blocks, want, layer)
+                if why is not None:
+                    self.stats.num_checksum_failures += 1
+                    self._fail_load(plan, why)
+
+    def _fail_load(self, plan: LoadPlan, why: str) -> None:
+        logger.warning("KV load for %s failed: %s", plan.request_id, why)
+        plan.failed = True
+        self._failed[plan.request_id] = why
+
+    def verify_pushed(self, remote: RemotePrefill, block_ids: list[int]) -> str | None:
+        """D, push mode: why the pushed blocks differ from P's checksums, or None."""
+        for layer, expected in enumerate(remote.kv_checksums or []):
+            why = mismatch(self.kv_caches[layer], block_ids[: len(expected)], expected, layer)
+            if why is not None:
+                self.stats.num_checksum_failures += 1
+                return why
+        return None
 
     def save_kv_layer(self, layer_name, kv_cache, attn_metadata) -> None:
         """P, push mode: WRITE this layer's blocks on the transfer thread; return at once."""
@@ -301,8 +333,8 @@ class NixlConnector(KVConnector):
             self._notify_release(plan.remote)
         self._futures.clear()
 
-    def take_failed(self) -> set[str]:
-        failed, self._failed = self._failed, set()
+    def take_failed(self) -> dict[str, str]:
+        failed, self._failed = self._failed, {}
         return failed
 
     def notify_release(self, remote: RemotePrefill) -> None:

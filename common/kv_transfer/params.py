@@ -29,6 +29,7 @@ class RemotePrefill:
     first_token_id: int | None = None
     first_token_streamed: bool = False
     push_reservation_id: str | None = None  # push mode: the KV was written into these blocks
+    kv_checksums: list[list[int]] | None = None  # per layer, per block (--kv-checksum on P)
     do_remote_prefill: bool = True
 
     @classmethod
@@ -46,6 +47,7 @@ class RemotePrefill:
                 ),
                 first_token_streamed=bool(raw.get("first_token_streamed", False)),
                 push_reservation_id=raw.get("push_reservation_id"),
+                kv_checksums=_checksums(raw.get("kv_checksums")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise KVTransferParamsError(
@@ -54,6 +56,12 @@ class RemotePrefill:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _checksums(raw: Any) -> list[list[int]] | None:
+    if raw is None:
+        return None
+    return [[int(c) for c in layer] for layer in raw]
 
 
 def wants_remote_decode(raw: dict[str, Any] | None) -> bool:
