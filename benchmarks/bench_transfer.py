@@ -15,6 +15,7 @@ colocated, and how much of the transfer each mode exposes.
    difference with nothing left to read. Medians of `--repeats`.
 
     python benchmarks/bench_transfer.py [--prompt-lens 512 2048] [--repeats 3] [--raw-repeats 10]
+                                        [--raw-only]
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class RawRow:
     num_bytes: int
     read_s: float
     copy_s: float
+    checksum_s: float  # --kv-checksum: one side's sums over every layer of these blocks
 
 
 def bench_raw(prompt_lens: list[int], repeats: int) -> list[RawRow]:
@@ -69,13 +71,15 @@ def bench_raw(prompt_lens: list[int], repeats: int) -> list[RawRow]:
     local_kv = [torch.full(shape, 0.0) for _ in range(NUM_LAYERS)]  # touched: no page faults
     with NixlTransport("raw-p", remote_kv) as p, NixlTransport("raw-d", local_kv) as d:
         d.add_peer(p.layout, p.metadata())
-        rows = [_raw_row(d, n, repeats) for n in prompt_lens]
+        rows = [_raw_row(d, local_kv, n, repeats) for n in prompt_lens]
     del remote_kv, local_kv
     gc.collect()
     return rows
 
 
-def _raw_row(d, prompt_len: int, repeats: int) -> RawRow:
+def _raw_row(d, local_kv: list[torch.Tensor], prompt_len: int, repeats: int) -> RawRow:
+    from common.kv_transfer.checksum import request_checksums
+
     num_blocks = math.ceil(prompt_len / BLOCK_SIZE)
     blocks = list(range(1, num_blocks + 1))  # contiguous, as the allocator gives them
     read_all_layers(d, blocks)  # warm-up (the first READ also connects)
@@ -85,6 +89,8 @@ def _raw_row(d, prompt_len: int, repeats: int) -> RawRow:
     dst = torch.full((num_bytes // 4,), 0.0)
     dst.copy_(src)  # warm-up
     copies = [_timed(lambda: dst.copy_(src)) for _ in range(repeats)]
+    request_checksums(local_kv, blocks)  # warm-up
+    sums = [_timed(lambda: request_checksums(local_kv, blocks)) for _ in range(repeats)]
     return RawRow(
         prompt_len,
         num_blocks,
@@ -92,6 +98,7 @@ def _raw_row(d, prompt_len: int, repeats: int) -> RawRow:
         num_bytes=num_bytes,
         read_s=statistics.median(r[0] for r in reads),
         copy_s=statistics.median(copies),
+        checksum_s=statistics.median(sums),
     )
 
 
@@ -271,13 +278,14 @@ def print_raw(rows: list[RawRow], repeats: int) -> None:
     print(f"\n### Raw transport: READ of {NUM_LAYERS} layers vs torch copy (median of {repeats})\n")
     print(
         "| prompt tokens | blocks | descriptors | MiB | NIXL READ GB/s | torch copy GB/s"
-        " | ratio (goal ≥ 0.6) |"
+        " | ratio (goal ≥ 0.6) | READ ms | checksum ms (one side) | checksum / READ |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         read, copy = r.num_bytes / r.read_s / 1e9, r.num_bytes / r.copy_s / 1e9
         cells = [r.prompt_len, r.num_blocks, r.num_descriptors, f"{r.num_bytes / 2**20:.1f}"]
-        _print_row([*cells, f"{read:.2f}", f"{copy:.2f}", f"{read / copy:.2f}"])
+        cells += [f"{read:.2f}", f"{copy:.2f}", f"{read / copy:.2f}", f"{r.read_s * 1e3:.1f}"]
+        _print_row([*cells, f"{r.checksum_s * 1e3:.1f}", f"{r.checksum_s / r.read_s:.2f}"])
 
 
 def print_e2e(rows: list[E2ERow], repeats: int) -> None:
@@ -333,16 +341,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="HTTP requests per length")
     parser.add_argument("--raw-repeats", type=int, default=10, help="raw READs per length")
     parser.add_argument("--model", help="HF folder (default: the built-in SmolLM2)")
+    parser.add_argument("--raw-only", action="store_true", help="skip the HTTP part")
     a = parser.parse_args()
     if max(a.prompt_lens) >= 4096:
         parser.error("--prompt-lens must be below --max-model-len 4096")
     # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so every started server is stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     raw = bench_raw(a.prompt_lens, a.raw_repeats)
-    e2e = bench_e2e(a.prompt_lens, a.repeats, ["--model", a.model] if a.model else [])
+    model_args = ["--model", a.model] if a.model else []
+    e2e = [] if a.raw_only else bench_e2e(a.prompt_lens, a.repeats, model_args)
     print(f"KV transfer, SmolLM2 (fp32, blocks of {BLOCK_SIZE} tokens), random prompts")
     print_raw(raw, a.raw_repeats)
-    print_e2e(e2e, a.repeats)
+    if e2e:
+        print_e2e(e2e, a.repeats)
 
 
 if __name__ == "__main__":

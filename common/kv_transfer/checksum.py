@@ -22,10 +22,8 @@ def block_checksums(kv_cache: torch.Tensor, block_ids: list[int]) -> list[int]:
         return []
     index = torch.tensor(block_ids, device=kv_cache.device)
     blocks = kv_cache.index_select(1, index)  # (2, n, bs, H, D)
-    words = (
-        blocks.view(_INT_VIEW[kv_cache.element_size()]).transpose(0, 1).reshape(len(block_ids), -1)
-    )
-    sums = words.sum(dim=1, dtype=torch.int64)  # (n,)
+    words = blocks.view(_INT_VIEW[kv_cache.element_size()]).view(2, len(block_ids), -1)
+    sums = words.sum(dim=2, dtype=torch.int64).sum(dim=0)  # (n,)
     return [int(s) & _MASK for s in sums.tolist()]
 
 
