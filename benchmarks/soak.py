@@ -1,0 +1,166 @@
+"""Soak: a bounded stretch of streamed load with client aborts through the proxy in front of
+2 prefill + 2 decode workers, then the ledger: requests, errors by reason, hangs, leaked KV
+blocks, worker RSS growth.
+
+64 clients loop until `--duration` is over: each sends a streamed chat or completion (random
+words, 16–64 new tokens) and, with probability `--abort-rate`, closes the stream after a few
+chunks. A request that has not ended `--deadline` seconds after it began is a hang. RSS is
+read from /proc after a warm-up (allocators settle) and at the end; leaked blocks are what the
+workers' `pdserve_kv_blocks_used` still counts once the load has stopped and leases could expire.
+Exit status 1 when anything leaked, hung, or an RSS grew 5% or more.
+
+    .venv/bin/python benchmarks/soak.py [--duration 600] [--clients 64] [--abort-rate 0.1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from collections import Counter
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.servers import ServerProcess, wait_until  # noqa: E402
+
+WORDS = ["the", "of", "prefill", "decode", "cache", "block", "layer", "token", "stream", "model"]
+WORDS += ["serve", "river", "sky", "blue", "why", "is", "green", "how", "many", "layers"]
+
+
+def start_cluster(stack: ExitStack, logs: Path, model_args: list[str]) -> tuple[list, object]:
+    common = [*model_args, "--max-model-len", "512", "--kv-lease-timeout", "20"]
+    roles = ("prefill", "prefill", "decode", "decode")
+    workers = []
+    for i, role in enumerate(roles):
+        server = ServerProcess(role, common, logs / f"{role}{i}.log")
+        stack.callback(server.stop)
+        workers.append(server)
+    for w in workers:
+        w.wait_ready(timeout=300)
+    urls = [a for role, w in zip(roles, workers) for a in (f"--{role}", w.url)]
+    proxy = ServerProcess("proxy", [*urls, "--health-interval", "1"], logs / "proxy.log")
+    stack.callback(proxy.stop)
+    return workers, proxy.wait_ready(path="/ready")
+
+
+async def one_request(client: httpx.AsyncClient, rng: random.Random, abort_rate: float) -> str:
+    words = " ".join(rng.choices(WORDS, k=rng.randint(5, 120)))
+    chat = rng.random() < 0.5
+    body = {"max_tokens": rng.randint(16, 64), "stream": True, "ignore_eos": True}
+    if chat:
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": words}]
+    else:
+        path, body["prompt"] = "/v1/completions", words
+    abort_after = rng.randint(1, 8) if rng.random() < abort_rate else None
+    async with client.stream("POST", path, json=body) as r:
+        if r.status_code != 200:
+            return f"http_{r.status_code}"
+        num_events = 0
+        async for line in r.aiter_lines():
+            if line.startswith('data: {"error"'):
+                return "error_event"
+            if line == "data: [DONE]":
+                return "ok"
+            num_events += line.startswith("data: ")
+            if abort_after is not None and num_events >= abort_after:
+                return "aborted"
+    return "incomplete_stream"
+
+
+async def client_loop(url: str, seed: int, until: float, args, outcomes: Counter) -> None:
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(args.deadline)) as client:
+        while time.monotonic() < until:
+            try:
+                outcome = await asyncio.wait_for(
+                    one_request(client, rng, args.abort_rate), args.deadline
+                )
+            except asyncio.TimeoutError:
+                outcome = "hang"
+            except httpx.HTTPError as e:
+                outcome = type(e).__name__
+            outcomes[outcome] += 1
+
+
+def rss_mib(server: ServerProcess) -> float:
+    for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for {server.proc.pid}")
+
+
+async def run_load(url: str, args, seconds: float, outcomes: Counter) -> None:
+    until = time.monotonic() + seconds
+    await asyncio.gather(*(client_loop(url, i, until, args, outcomes) for i in range(args.clients)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--duration", type=float, default=600.0, help="seconds of measured load")
+    ap.add_argument("--warmup", type=float, default=60.0, help="seconds of load before RSS start")
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--abort-rate", type=float, default=0.1)
+    ap.add_argument("--deadline", type=float, default=180.0, help="a request past this is a hang")
+    ap.add_argument("--model", help="HF folder (default: the built-in SmolLM2)")
+    ap.add_argument("--json", type=Path, help="also write the ledger here")
+    args = ap.parse_args()
+    logs = Path(tempfile.mkdtemp(prefix="soak_"))
+    with ExitStack() as stack:
+        workers, proxy = start_cluster(stack, logs, ["--model", args.model] if args.model else [])
+        warm: Counter = Counter()
+        asyncio.run(run_load(proxy.url, args, args.warmup, warm))
+        rss_start = [rss_mib(w) for w in workers]
+        outcomes: Counter = Counter()
+        started = time.monotonic()
+        asyncio.run(run_load(proxy.url, args, args.duration, outcomes))
+        elapsed = time.monotonic() - started
+        for w in workers:  # leases (20 s) and reservations expire by then at the latest
+            wait_until(lambda w=w: w.metric("pdserve_kv_blocks_used") == 0, timeout=60)
+        leaked = [int(w.metric("pdserve_kv_blocks_used")) for w in workers]
+        rss_end = [rss_mib(w) for w in workers]
+    ledger = {
+        "duration_s": round(elapsed, 1),
+        "clients": args.clients,
+        "abort_rate": args.abort_rate,
+        "requests": sum(outcomes.values()),
+        "outcomes": dict(outcomes),
+        "warmup_requests": sum(warm.values()),
+        "leaked_blocks": dict(zip(["P0", "P1", "D0", "D1"], leaked)),
+        "rss_mib": {n: [round(a, 1), round(b, 1)] for n, a, b in
+                    zip(["P0", "P1", "D0", "D1"], rss_start, rss_end)},  # fmt: skip
+        "logs": str(logs),
+    }
+    report(ledger)
+    if args.json:
+        args.json.write_text(json.dumps(ledger, indent=2))
+    growth = max((b - a) / a for a, b in ledger["rss_mib"].values())
+    sys.exit(int(sum(leaked) > 0 or outcomes["hang"] > 0 or growth >= 0.05))
+
+
+def report(ledger: dict) -> None:
+    outcomes = ledger["outcomes"]
+    errors = {k: v for k, v in outcomes.items() if k not in ("ok", "aborted")}
+    print(f"\n### Soak: {ledger['duration_s']:.0f} s, {ledger['clients']} streams, "
+          f"{ledger['abort_rate']:.0%} aborts, proxy + 2 P + 2 D\n")  # fmt: skip
+    print("| requests | ok | aborted by client | errors | hangs | leaked blocks |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    print(f"| {ledger['requests']} | {outcomes.get('ok', 0)} | {outcomes.get('aborted', 0)} "
+          f"| {sum(errors.values()) - outcomes.get('hang', 0)} {errors or ''} "
+          f"| {outcomes.get('hang', 0)} | {sum(ledger['leaked_blocks'].values())} |")  # fmt: skip
+    print("\n| worker | RSS after warm-up (MiB) | RSS at end (MiB) | growth |")
+    print("|---|---:|---:|---:|")
+    for name, (start, end) in ledger["rss_mib"].items():
+        print(f"| {name} | {start:.1f} | {end:.1f} | {(end - start) / start:+.1%} |")
+
+
+if __name__ == "__main__":
+    main()
