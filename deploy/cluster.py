@@ -1,0 +1,124 @@
+"""The local cluster's plan: what to run (a validated config), on which ports, with which commands.
+
+deploy/local.py is the command line around it; deploy/processes.py starts and stops the processes.
+Workers bind 127.0.0.1 on their role's usual ports (8100, 8101, ... and 8200, 8201, ...) where
+those are free, else on ports the OS hands out; the proxy gets `--port` (0: any free one) and
+lists every worker's URL.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from deploy.compose import BASE_PORTS, MODES, PROXY_PORT
+from deploy.processes import Child, Supervisor
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct (built-in)"
+WORKER_HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    """What to run; validates itself."""
+
+    num_prefill: int = 1
+    num_decode: int = 1
+    model: str | None = None  # an HF-format folder; None: the built-in default model
+    host: str = "127.0.0.1"  # the proxy's bind address (workers stay on 127.0.0.1)
+    port: int = PROXY_PORT  # 0: any free port
+    mode: str = "pull"
+    log_dir: str | None = None  # None: a fresh folder under the system's temp dir
+    is_waiting: bool = True  # wait for /ready before reporting it (and before --ask)
+    question: str | None = None
+    is_exit_after_ask: bool = False
+    ready_timeout_s: float = 600.0
+    worker_args: tuple[str, ...] = ()
+    proxy_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_decode < 1 or self.num_prefill < 0:
+            raise ValueError("need at least one decode worker and no negative counts")
+        if self.num_prefill == 0 and self.mode != "colocated":
+            raise ValueError(f"--prefill 0 only works with --mode colocated, not {self.mode}")
+        if self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {MODES}, got {self.mode!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.model is not None and not Path(self.model).is_dir():
+            raise ValueError(f"--model {self.model}: no such folder")
+        if self.is_exit_after_ask and self.question is None:
+            raise ValueError("--exit needs --ask")
+        if self.question is not None and not self.is_waiting:
+            raise ValueError("--ask needs the cluster ready: drop --no-wait")
+        if any(arg.split("=")[0] in ("--port", "--internal-token") for arg in self.worker_args):
+            raise ValueError("the launcher sets the workers' --port and --internal-token")
+
+    @property
+    def model_name(self) -> str:
+        return self.model or DEFAULT_MODEL
+
+
+def is_port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def pick_port(host: str, preferred: int | None, taken: set[int]) -> int:
+    """`preferred` when it is free, else a port the OS hands out; never one in `taken`."""
+    port = preferred
+    while port is None or port in taken or not is_port_free(host, port):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    taken.add(port)
+    return port
+
+
+def worker_command(cfg: LocalConfig, role: str, port: int) -> list[str]:
+    cmd = [sys.executable, "-m", f"{role}_server", "--port", str(port)]
+    if cfg.model:
+        cmd += ["--model", str(Path(cfg.model).resolve())]
+    return cmd + list(cfg.worker_args)
+
+
+def proxy_command(cfg: LocalConfig, port: int, urls: dict[str, list[str]]) -> list[str]:
+    """The proxy's command; `urls` are the workers' by role."""
+    cmd = [sys.executable, "-m", "proxy", "--host", cfg.host, "--port", str(port)]
+    cmd += ["--mode", cfg.mode]
+    for role, role_urls in urls.items():
+        cmd += [arg for url in role_urls for arg in (f"--{role}", url)]
+    return cmd + list(cfg.proxy_args)
+
+
+def start_cluster(cfg: LocalConfig, sup: Supervisor, proxy_port: int, log_dir: Path) -> Child:
+    """Start the workers, then the proxy in front of them; returns the proxy."""
+    taken = {proxy_port}
+    urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for role, count in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode)):
+        for i in range(count):
+            port = pick_port(WORKER_HOST, BASE_PORTS[role] + i, taken)
+            urls[role].append(f"http://{WORKER_HOST}:{port}")
+            name = f"{role}-{i}"
+            sup.start(
+                name, urls[role][-1], worker_command(cfg, role, port), log_dir / f"{name}.log"
+            )
+    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "") else cfg.host  # where clients connect
+    cmd = proxy_command(cfg, proxy_port, urls)
+    return sup.start("proxy", f"http://{host}:{proxy_port}", cmd, log_dir / "proxy.log")
+
+
+def banner(cfg: LocalConfig, children: list[Child]) -> str:
+    head = (
+        f"pdserve local cluster: {cfg.num_prefill} prefill + {cfg.num_decode} decode, "
+        f"mode {cfg.mode}, model {cfg.model_name}"
+    )
+    rows = [f"  {c.name:<10} {c.url:<24} pid {c.pid:<8} log {c.log_path}" for c in children]
+    return "\n".join([head, *rows])

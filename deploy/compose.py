@@ -1,0 +1,266 @@
+"""Generate a docker-compose file for one node: prefill and decode workers and the proxy in front.
+
+    python -m deploy.compose --prefill 2 --decode 6 --gpus 8 > compose.yml
+    python -m deploy.compose --prefill 1 --decode 1 --cpu > compose.cpu.yml
+
+Each GPU worker reserves exactly one GPU (compose's device reservation with one `device_ids`
+entry; prefill workers take the first ones), listens on its own port (prefill 8100, 8101, ...;
+decode 8200, 8201, ...) and advertises its service name as `--kv-host`, the address its NIXL
+peers use. Only the proxy's port is published. Workers share `PDSERVE_INTERNAL_TOKEN`, which
+compose takes from the environment or an `.env` file and refuses to start without.
+
+deploy/docker-compose.yml and deploy/docker-compose.cpu.yml are this script's output for their
+shapes (the command is in each file's first line); tests/test_deploy_compose.py checks that.
+A shape that does not fit (more workers than GPUs) exits 2 with a message naming the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+import yaml  # PyYAML: already installed as a dependency of gguf, which the project requires
+
+BASE_PORTS = {"prefill": 8100, "decode": 8200}
+MAX_WORKERS_PER_ROLE = 100  # prefill ports stay below 8200, decode ports below 8300
+PROXY_PORT = 8000
+CACHE_VOLUME, CACHE_DIR = "pdserve-cache", "/cache"  # PDSERVE_CACHE_DIR: the prepared default model
+MODEL_MOUNT = "/model"
+MODES = ("pull", "push", "colocated")
+TOKEN = "${PDSERVE_INTERNAL_TOKEN:?set PDSERVE_INTERNAL_TOKEN, e.g. in deploy/.env}"
+# NOTE: UCX's intra-node transports need more than the network: cma (process_vm_readv) only
+# reaches peers in the same PID namespace with ptrace rights (pid: host + SYS_PTRACE; Docker's
+# default seccomp profile blocks it otherwise), and cuda_ipc needs the host IPC namespace too.
+# Without them UCX silently falls back to tcp, several times slower. eth0 is the compose network.
+UCX_TLS = {"cuda": "cuda_ipc,cuda_copy,cma,tcp", "cpu": "cma,tcp"}
+
+
+class Flow(list):
+    """A list that is written on one line: `[python, -m, proxy]`."""
+
+
+class _Dumper(yaml.SafeDumper):
+    def ignore_aliases(self, data) -> bool:  # no &id001 anchors for repeated values
+        return True
+
+
+_Dumper.add_representer(
+    Flow, lambda d, data: d.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True)
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What to deploy on one node; validates itself."""
+
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_gpus: int | None = None  # None: one per worker on GPU; must stay None with is_cpu
+    is_cpu: bool = False
+    gpus_per_worker: int = 1
+    image: str | None = None  # None: pdserve:latest (GPU) or pdserve:cpu
+    model_dir: str | None = None  # host folder of an HF model; None: the built-in default model
+    kv_cache_memory: str | None = None  # passed to workers as --kv-cache-memory
+    mode: str = "pull"
+    port: int = PROXY_PORT  # the proxy's published port on the host
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_worker != 1:
+            raise ValueError(
+                f"--gpus-per-worker {self.gpus_per_worker}: tensor parallelism is not supported, "
+                "each worker runs on exactly one GPU"
+            )
+        if self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {MODES}, got {self.mode!r}")
+        if self.num_decode < 1 or self.num_prefill < 0:
+            raise ValueError("need at least one decode worker and no negative counts")
+        if self.num_prefill == 0 and self.mode != "colocated":
+            raise ValueError(f"--prefill 0 only works with --mode colocated, not {self.mode}")
+        if max(self.num_prefill, self.num_decode) > MAX_WORKERS_PER_ROLE:
+            raise ValueError(f"at most {MAX_WORKERS_PER_ROLE} workers of each role per node")
+        if self.is_cpu and self.num_gpus is not None:
+            raise ValueError("--gpus and --cpu exclude each other")
+        if not self.is_cpu and self.num_gpus is not None and self.num_gpus < self.num_workers:
+            raise ValueError(
+                f"the shape does not fit: {self.num_prefill} prefill + {self.num_decode} decode "
+                f"workers need {self.num_workers} GPUs (one each), but --gpus is {self.num_gpus}"
+            )
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in [1, 65535], got {self.port}")
+
+    @property
+    def num_workers(self) -> int:
+        return self.num_prefill + self.num_decode
+
+    @property
+    def image_name(self) -> str:
+        return self.image or ("pdserve:cpu" if self.is_cpu else "pdserve:latest")
+
+    def command_line(self) -> str:
+        """The generator's command that reproduces this shape (the file's first line)."""
+        gpus = "--cpu" if self.is_cpu else f"--gpus {self.num_gpus or self.num_workers}"
+        args = [f"--prefill {self.num_prefill}", f"--decode {self.num_decode}", gpus]
+        options = [
+            ("image", self.image),
+            ("model-dir", self.model_dir),
+            ("kv-cache-memory", self.kv_cache_memory),
+            ("mode", None if self.mode == "pull" else self.mode),
+            ("port", None if self.port == PROXY_PORT else self.port),
+        ]
+        args += [f"--{name} {value}" for name, value in options if value is not None]
+        return "python -m deploy.compose " + " ".join(args)
+
+
+def worker_names(shape: Shape) -> list[tuple[str, str, int]]:
+    """(role, service name, port) of every worker, prefill first."""
+    counts = {"prefill": shape.num_prefill, "decode": shape.num_decode}
+    return [
+        (role, f"{role}-{i}", BASE_PORTS[role] + i) for role, n in counts.items() for i in range(n)
+    ]
+
+
+def healthcheck(port: int) -> dict:
+    probe = f'import urllib.request as r; r.urlopen("http://127.0.0.1:{port}/health", timeout=4)'
+    # start_period covers preparing the default model on first start and loading weights
+    return {
+        "test": Flow(["CMD", "python", "-c", probe]),
+        "interval": "10s",
+        "timeout": "5s",
+        "retries": 3,
+        "start_period": "600s",
+    }
+
+
+def worker_service(shape: Shape, role: str, name: str, port: int, gpu: int | None) -> dict:
+    device = ["--device", "cpu", "--dtype", "float32"] if shape.is_cpu else ["--device", "cuda"]
+    command = [
+        "python",
+        "-m",
+        f"{role}_server",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(port),
+        "--kv-host",
+        name,
+        *device,
+    ]
+    volumes = [f"{CACHE_VOLUME}:{CACHE_DIR}"]
+    if shape.model_dir:
+        command += ["--model", MODEL_MOUNT]
+        volumes.append(f"{shape.model_dir}:{MODEL_MOUNT}:ro")
+    if shape.kv_cache_memory:
+        command += ["--kv-cache-memory", shape.kv_cache_memory]
+    gpu_only = (
+        {}
+        if gpu is None
+        else {
+            "ipc": "host",
+            "ulimits": {"memlock": -1},  # RDMA registration pins memory
+        }
+    )
+    service = {
+        "image": shape.image_name,
+        "command": Flow(command),
+        "restart": "unless-stopped",
+        "environment": {
+            "PDSERVE_CACHE_DIR": CACHE_DIR,
+            "PDSERVE_INTERNAL_TOKEN": TOKEN,
+            "UCX_TLS": UCX_TLS["cpu" if shape.is_cpu else "cuda"],
+            "UCX_NET_DEVICES": "eth0",
+            "NIXL_LOG_LEVEL": "WARN",
+        },
+        "volumes": volumes,
+        "expose": [str(port)],
+        "pid": "host",
+        **gpu_only,
+        "cap_add": Flow(["SYS_PTRACE"]),
+        "stop_grace_period": "35s",  # the workers' --drain-timeout is 30 s
+        "healthcheck": healthcheck(port),
+    }
+    if gpu is not None:
+        device = {"driver": "nvidia", "device_ids": Flow([str(gpu)]), "capabilities": Flow(["gpu"])}
+        service["deploy"] = {"resources": {"reservations": {"devices": [device]}}}
+    return service
+
+
+def proxy_service(shape: Shape, workers: list[tuple[str, str, int]]) -> dict:
+    command = ["python", "-m", "proxy", "--host", "0.0.0.0", "--port", str(PROXY_PORT)]
+    command += ["--mode", shape.mode]
+    for role, name, port in workers:
+        command += [f"--{role}", f"http://{name}:{port}"]
+    return {
+        "image": shape.image_name,
+        "command": command,
+        "restart": "unless-stopped",
+        "environment": {"PDSERVE_INTERNAL_TOKEN": TOKEN},
+        "ports": [f"{shape.port}:{PROXY_PORT}"],
+        "stop_grace_period": "35s",
+        "healthcheck": healthcheck(PROXY_PORT),
+        "depends_on": {name: {"condition": "service_healthy"} for _, name, _ in workers},
+    }
+
+
+def build_compose(shape: Shape) -> dict:
+    """The compose document as a dict (services in order: prefill, decode, proxy)."""
+    workers = worker_names(shape)
+    services = {}
+    for gpu, (role, name, port) in enumerate(workers):
+        services[name] = worker_service(shape, role, name, port, None if shape.is_cpu else gpu)
+    services["proxy"] = proxy_service(shape, workers)
+    return {"services": services, "volumes": {CACHE_VOLUME: {}}}
+
+
+def render(shape: Shape) -> str:
+    header = (
+        f"# Generated by: {shape.command_line()}\n"
+        "# Edit deploy/compose.py, not this file. Start: docs/deploy.md.\n"
+    )
+    return header + yaml.dump(build_compose(shape), Dumper=_Dumper, sort_keys=False, width=120)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m deploy.compose", description=__doc__.split("\n")[0])
+    add = p.add_argument
+    add("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    add("--decode", type=int, default=1, help="decode workers (default 1)")
+    add("--gpus", type=int, default=None, help="GPUs on the node (default: one per worker)")
+    add("--gpus-per-worker", type=int, default=1, help="must be 1: no tensor parallelism")
+    add("--cpu", action="store_true", help="no GPUs: --device cpu, float32, image pdserve:cpu")
+    add("--image", default=None, help="image of every service (default pdserve:latest or :cpu)")
+    add(
+        "--model-dir",
+        default=None,
+        help="host folder of an HF model, mounted read-only "
+        "(default: the built-in SmolLM2-135M-Instruct, prepared into a volume on first start)",
+    )
+    add("--kv-cache-memory", default=None, help="each worker's KV cache budget, e.g. 40GiB")
+    add("--mode", default="pull", choices=MODES, help="the proxy's mode (default pull)")
+    add("--port", type=int, default=PROXY_PORT, help="the proxy's port on the host (8000)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        shape = Shape(
+            num_prefill=a.prefill,
+            num_decode=a.decode,
+            num_gpus=a.gpus,
+            is_cpu=a.cpu,
+            gpus_per_worker=a.gpus_per_worker,
+            image=a.image,
+            model_dir=a.model_dir,
+            kv_cache_memory=a.kv_cache_memory,
+            mode=a.mode,
+            port=a.port,
+        )
+    except ValueError as e:
+        parser.error(str(e))  # exit 2
+    sys.stdout.write(render(shape))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""`python -m deploy.local` run as a user runs it: a real prefill worker, decode worker and proxy
+on the tiny model. A request goes through the proxy; SIGTERM or a Ctrl-C stops everything and no
+process the launcher started outlives it; a worker that cannot start ends the launcher with status
+1 and its log's tail (again leaving nothing behind); `--ask --exit` answers and exits 0; a taken
+port is refused before anything starts."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.servers import ROOT, wait_until
+
+WORKER_ARGS = ["--num-blocks", "64", "--max-model-len", "256"]
+ROW = re.compile(r"^  (\S+)\s+(http://\S+)\s+pid (\d+)\s+log (\S+)$", re.MULTILINE)
+
+
+def proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, start time) of a process, None when there is none."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+def descendants(root: int) -> dict[int, int]:
+    """Every live process below `root`: pid → start time (to tell a reused pid apart)."""
+    stats = {int(p): proc_stat(int(p)) for p in os.listdir("/proc") if p.isdigit()}
+    stats = {pid: s for pid, s in stats.items() if s is not None}
+    found: dict[int, int] = {}
+    frontier = [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (_, ppid, start) in stats.items():
+            if ppid == parent and pid not in found:
+                found[pid] = start
+                frontier.append(pid)
+    return found
+
+
+def is_alive(pid: int, start: int) -> bool:
+    s = proc_stat(pid)
+    return s is not None and s[2] == start and s[0] != "Z"  # a zombie runs nothing
+
+
+class Launcher:
+    """The launcher as a subprocess in its own process group (as a shell runs a command)."""
+
+    def __init__(self, tmp_path: Path, *args: str):
+        tmp_path.mkdir()
+        self.out_path, self.err_path = tmp_path / "stdout", tmp_path / "stderr"
+        cmd = [sys.executable, "-m", "deploy.local", "--port", "0"]
+        cmd += ["--log-dir", str(tmp_path / "logs"), *args]
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, stdout=out, stderr=err, start_new_session=True
+            )
+        self.seen: dict[int, int] = {}  # every process seen below the launcher
+
+    def output(self) -> str:
+        return self.out_path.read_text() + "\n--- stderr:\n" + self.err_path.read_text()
+
+    def wait_for(self, pattern: str, timeout: float = 180.0) -> re.Match:
+        def found() -> re.Match | None:
+            self.seen.update(descendants(self.proc.pid))
+            return re.search(pattern, self.out_path.read_text(), re.MULTILINE)
+
+        assert wait_until(lambda: found() or self.proc.poll() is not None, timeout, 0.2)
+        match = found()
+        assert match, f"no {pattern!r} in the launcher's output:\n{self.output()}"
+        return match
+
+    def children(self) -> dict[str, tuple[str, int]]:
+        """name → (url, pid), from the banner."""
+        rows = ROW.findall(self.out_path.read_text())
+        return {name: (url, int(pid)) for name, url, pid, _ in rows}
+
+    def wait(self, timeout: float = 120.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the launcher did not exit in {timeout} s:\n{self.output()}")
+
+    def survivors(self) -> list[int]:
+        return [pid for pid, start in self.seen.items() if is_alive(pid, start)]
+
+    def kill_all(self) -> None:
+        """After a failed test: leave nothing running."""
+        if self.proc.poll() is None:
+            self.seen.update(descendants(self.proc.pid))
+            self.proc.kill()
+            self.proc.wait()
+        for pid in self.survivors():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def launch(tmp_path):
+    started: list[Launcher] = []
+
+    def start(*args: str) -> Launcher:
+        started.append(Launcher(tmp_path / f"run{len(started)}", *args))
+        return started[-1]
+
+    yield start
+    for launcher in started:
+        launcher.kill_all()
+
+
+def assert_banner(launcher: Launcher) -> None:
+    children = launcher.children()
+    assert set(children) == {"proxy", "prefill-0", "decode-0"}, launcher.output()
+    pids = {pid for _, pid in children.values()}
+    assert pids <= set(launcher.seen), "the banner's pids are the launcher's children"
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_serves_through_the_proxy_and_stops_everything(launch, tiny_model, stop):
+    launcher = launch("--model", str(tiny_model("llama")), "--", *WORKER_ARGS)
+    url = launcher.wait_for(r"^ready: (http://\S+)").group(1)
+    assert_banner(launcher)
+    assert url == launcher.children()["proxy"][0]
+    body = {"prompt": "Hello, my name is", "max_tokens": 8, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"]
+    assert r.json()["usage"]["completion_tokens"] == 8
+
+    launcher.seen.update(descendants(launcher.proc.pid))
+    if stop == signal.SIGINT:
+        os.killpg(launcher.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    else:
+        launcher.proc.send_signal(signal.SIGTERM)
+    assert launcher.wait() == 0, launcher.output()
+    assert launcher.survivors() == [], launcher.output()
+    assert f"{signal.Signals(stop).name}: stopping the cluster" in launcher.output()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health", timeout=5)
+
+
+@pytest.mark.parametrize(
+    "bad, why, tail",
+    [  # the model-less worker stays up answering 503; the other exits at once
+        (["--model", "EMPTY"], "failed to load", "ModelLoadError"),
+        (["--", "--no-such-flag"], "exited with status 2", "unrecognized arguments"),
+    ],
+    ids=["model-fails-to-load", "worker-exits"],
+)
+def test_a_worker_that_cannot_start_ends_the_launcher(launch, tiny_model, tmp_path, bad, why, tail):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    args = [str(empty) if a == "EMPTY" else a for a in bad]
+    if "--model" not in args:
+        args = ["--model", str(tiny_model("llama")), *args]
+    launcher = launch(*args)
+    launcher.wait_for(r"^  decode-0 ")
+    assert launcher.wait() == 1, launcher.output()
+    err = launcher.err_path.read_text()
+    assert re.search(rf"error: (prefill|decode)-0 .*{why}", err), err
+    assert re.search(rf"the last lines of \S+/logs/(prefill|decode)-0.log:\n(.*\n)*.*{tail}", err)
+    assert launcher.survivors() == [], launcher.output()
+
+
+def test_ask_answers_and_exit_stops_everything(launch, tiny_model):
+    args = ["--model", str(tiny_model("llama")), "--ask", "Hello there", "--exit"]
+    launcher = launch(*args, "--", *WORKER_ARGS)
+    launcher.wait_for(r"^ready: ")
+    assert launcher.wait() == 0, launcher.output()
+    out = launcher.out_path.read_text()
+    assert re.search(r"^Q: Hello there\nA: ", out, re.MULTILINE), out  # a 200 (else status 1)
+    assert "curl -s http://127.0.0.1:8000/v1/chat/completions" in out
+    assert "-m deploy.local" in out
+    assert launcher.survivors() == [], launcher.output()
+
+
+def test_a_taken_port_is_refused_before_anything_starts(launch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        launcher = launch("--port", str(port))
+        assert launcher.wait() == 1
+    assert f"port {port} is taken" in launcher.err_path.read_text()
+    assert "--port 0" in launcher.err_path.read_text()
+    assert launcher.children() == {}
+
+
+STUBBORN = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(grandchild.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_stop_kills_a_child_that_ignores_sigterm_and_what_it_started(tmp_path):
+    from deploy.processes import Supervisor
+
+    sup = Supervisor(dict(os.environ), stop_grace_s=1.0)
+    log = tmp_path / "stubborn.log"
+    child = sup.start("stubborn", "-", [sys.executable, "-c", STUBBORN], log)
+    assert wait_until(lambda: log.read_text().strip().isdigit(), timeout=60)
+    pids = [child.pid, int(log.read_text())]
+    seen = {pid: proc_stat(pid)[2] for pid in pids}
+    handler = signal.getsignal(signal.SIGINT)
+    sup.stop()
+    assert child.exit_code == -signal.SIGKILL
+    assert wait_until(lambda: not any(is_alive(p, s) for p, s in seen.items()), timeout=10)
+    assert signal.getsignal(signal.SIGINT) is handler, "stop() restores the signal handlers"
+    sup.stop()  # idempotent
