@@ -17,8 +17,8 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 
 from common.api.errors import APIError, InvalidRequestError, NotFoundError
-from common.api.http import read_json_body
-from proxy.workers import Worker
+from common.api.http import json_body_openapi, read_json_body
+from proxy.workers import Worker, check_worker_url
 
 
 class AdminForbiddenError(APIError):
@@ -64,24 +64,26 @@ def install_admin_routes(app: FastAPI, proxy) -> None:
         await authorized(request)
         return {"workers": [w.describe() for w in proxy.all_workers()]}
 
-    @app.post("/admin/workers")
+    @app.post("/admin/workers", openapi_extra=json_body_openapi(AddWorker))
     async def add_worker(request: Request):
         body = await body_of(request, AddWorker)
-        if not body.url.startswith(("http://", "https://")):
-            raise InvalidRequestError("url must start with http:// or https://", param="url")
-        if any(pool.get(body.url) for pool in proxy.pools.values()):
-            raise InvalidRequestError(f"{body.url} is already a worker", param="url")
-        worker = proxy.add_worker(body.role, body.url)
+        try:
+            url = check_worker_url(body.url)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="url") from e
+        if any(pool.get(url) for pool in proxy.pools.values()):
+            raise InvalidRequestError(f"{url} is already a worker", param="url")
+        worker = proxy.add_worker(body.role, url)
         await proxy.health.check(worker)
         return worker.describe()
 
-    @app.post("/admin/workers/drain")
+    @app.post("/admin/workers/drain", openapi_extra=json_body_openapi(WorkerRef))
     async def drain_worker(request: Request):
         worker = find((await body_of(request, WorkerRef)).url)
         worker.is_draining = True
         return worker.describe()
 
-    @app.post("/admin/workers/remove")
+    @app.post("/admin/workers/remove", openapi_extra=json_body_openapi(WorkerRef))
     async def remove_worker(request: Request):
         worker = find((await body_of(request, WorkerRef)).url)
         proxy.pools[worker.role].remove(worker.url)

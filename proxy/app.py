@@ -24,7 +24,8 @@ from common.api.errors import (
     ServerError,
     UnavailableError,
 )
-from common.api.http import error_response, install_error_handlers
+from common.api.http import error_response, install_error_handlers, json_body_openapi
+from common.api.protocol import ChatCompletionRequest, CompletionRequest
 from proxy.config import ProxyConfig
 from proxy.health import HealthChecker
 from proxy.metrics import ProxyMetrics
@@ -160,11 +161,11 @@ class GenerationFastPath:
 
 
 def _install_openai_routes(app: FastAPI, proxy: Proxy) -> None:
-    @app.post(COMPLETIONS_PATH)
+    @app.post(COMPLETIONS_PATH, openapi_extra=json_body_openapi(CompletionRequest))
     async def completions(request: Request):
         return await serve(proxy, request, COMPLETIONS_PATH)
 
-    @app.post(CHAT_PATH)
+    @app.post(CHAT_PATH, openapi_extra=json_body_openapi(ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await serve(proxy, request, CHAT_PATH)
 

@@ -50,6 +50,7 @@ class ProxyConfig:
     connect_timeout: float = 2.0
     prefill_timeout: float = 300.0  # one prefill, end to end
     decode_timeout: float = 60.0  # the longest silence of a decode stream
+    request_timeout: float = 600.0  # the longest wait for a non-streamed decode answer
     max_retries: int = 2  # more prefill workers tried after the first fails
     health: HealthConfig = field(default_factory=HealthConfig)
     log_level: str = "info"
@@ -71,6 +72,9 @@ class ProxyConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.min_disagg_tokens < 0 or self.max_retries < 0 or self.prefix_chars < 1:
             raise ValueError("min_disagg_tokens and max_retries must be >= 0, prefix_chars >= 1")
+        timeouts = (self.connect_timeout, self.prefill_timeout, self.decode_timeout)
+        if min(*timeouts, self.request_timeout) <= 0:
+            raise ValueError("timeouts must be > 0 seconds")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
 
@@ -114,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--connect-timeout", type=float, help="seconds to connect to a worker (2)")
     add("--prefill-timeout", type=float, help="seconds one prefill may take (300)")
     add("--decode-timeout", type=float, help="longest silence of a decode stream, seconds (60)")
+    add("--request-timeout", type=float, help="longest wait for a non-streamed answer (600)")
     add("--max-retries", type=int, help="other prefill workers tried after a failure (2)")
     add("--health-interval", type=float, help="seconds between health checks (2)")
     add("--health-timeout", type=float, help="timeout of one health check (1)")

@@ -61,6 +61,7 @@ class Orchestrator:
         self._stream_timeout = httpx.Timeout(cfg.decode_timeout, connect=cfg.connect_timeout)
         self._prefill_timeout = httpx.Timeout(cfg.prefill_timeout, connect=cfg.connect_timeout)
         self._internal_timeout = httpx.Timeout(5.0, connect=cfg.connect_timeout)
+        self._whole_timeout = httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout)
         self._background: set[asyncio.Task] = set()
 
     async def handle(self, req: ProxyRequest) -> Response:
@@ -164,14 +165,18 @@ class Orchestrator:
         params = dict(prefilled.params)
         if first_sent:
             params["first_token_streamed"] = True
+        elif req.wants_logprobs:  # P's token has no logprobs: D recomputes the last prompt token
+            params.pop("first_token_id", None)
         return req.decode_body(params)
 
     async def _decode_whole(
         self, req: ProxyRequest, decode: Worker, prefilled: Prefilled | None
     ) -> Response:
         content = self._decode_content(req, prefilled, first_sent=False)
-        try:
-            resp, decode = await self._open_decode(req, decode, prefilled, content=content)
+        try:  # NOTE: D answers only once it has generated everything: the whole wait is a read
+            resp, decode = await self._open_decode(
+                req, decode, prefilled, content=content, timeout=self._whole_timeout
+            )
         except UpstreamError as e:
             self._give_back(prefilled)
             return upstream_error_response(e)
@@ -192,6 +197,7 @@ class Orchestrator:
         prefilled: Prefilled | None,
         first_sent: bool = False,
         content: bytes | None = None,
+        timeout: httpx.Timeout | None = None,
     ) -> tuple[httpx.Response, Worker]:
         """D's response, headers received; another D when one cannot be reached (unless the KV
         was pushed into that one). The caller decrements the worker's outstanding count."""
@@ -205,7 +211,7 @@ class Orchestrator:
             try:
                 headers = {"X-Request-Id": req.request_id}
                 return await open_stream(
-                    decode, req.path, content, headers, self._stream_timeout
+                    decode, req.path, content, headers, timeout or self._stream_timeout
                 ), decode
             except UpstreamError as e:
                 decode.num_outstanding -= 1

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 
 from common.api.errors import InvalidRequestError
+from common.api.http import parse_json_object
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -27,14 +28,7 @@ class ProxyRequest:
 
     @classmethod
     def parse(cls, path: str, raw: bytes, request_id: str) -> ProxyRequest:
-        try:
-            body = json.loads(raw)
-        except UnicodeDecodeError as e:
-            raise InvalidRequestError(f"request body is not UTF-8: {e}") from e
-        except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"request body is not valid JSON: {e}") from e
-        if not isinstance(body, dict):
-            raise InvalidRequestError("request body must be a JSON object")
+        body = parse_json_object(raw)
         if body.get("kv_transfer_params") is not None:
             raise InvalidRequestError(
                 "kv_transfer_params are set by the proxy, not by clients",
@@ -68,10 +62,17 @@ class ProxyRequest:
         return (
             self.is_stream
             and (b.get("n") in (None, 1))
-            and not b.get("logprobs")
+            and not self.wants_logprobs
             and not b.get("echo")
-            and not b.get("top_logprobs")
         )
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Logprobs asked for (completions' `logprobs: 0` too). P's first token comes without
+        them, so D samples every token itself."""
+        if self.is_chat:
+            return self.body.get("logprobs") not in (None, False)
+        return self.body.get("logprobs") is not None
 
     @property
     def prompt_text(self) -> str:

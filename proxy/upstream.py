@@ -37,8 +37,11 @@ class UpstreamError(Exception):
 
     @property
     def is_client_error(self) -> bool:
-        """The request itself is wrong: another worker would refuse it too."""
+        """The request itself is wrong: another worker would refuse it too. (A 401 or 403 is the
+        proxy's own: its --internal-token does not match the workers'.)"""
         return self.status is not None and 400 <= self.status < 500 and self.status not in (
+            401,
+            403,
             408,
             429,
         )

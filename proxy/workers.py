@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -114,3 +115,19 @@ class WorkerPool:
 
 def normalize_url(url: str) -> str:
     return url.rstrip("/")
+
+
+def check_worker_url(url: str) -> str:
+    """`url`, normalized; ValueError unless it is http(s)://host[:port][/path]. NOTE: a host
+    name IDNA cannot encode fails each health check with a UnicodeError, which stops the checker."""
+    try:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.port == 0:
+            raise ValueError("expected http(s)://host[:port][/path]")
+        if parts.query or parts.fragment or any(c.isspace() for c in url):
+            raise ValueError("no query, fragment or white space")
+        parts.hostname.encode("idna")  # UnicodeError (a ValueError): e.g. a label too long
+        httpx.URL(url)
+    except (ValueError, httpx.InvalidURL) as e:
+        raise ValueError(f"not a worker URL: {url!r} ({e})") from None
+    return normalize_url(url)

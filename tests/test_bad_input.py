@@ -1,0 +1,177 @@
+"""Bad input, through the proxy (in front of a real prefill and decode worker) and to a worker
+directly: each case is a 4xx in OpenAI's error shape, never a 5xx or a hang; afterwards both
+pools are all-free and both paths still serve."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import pytest
+
+from tests.servers import wait_until
+from tests.tiny_models import VOCAB
+
+TOKEN = "cluster-secret"
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+HI = [{"role": "user", "content": "hi"}]
+MAX_MODEL_LEN = 128
+LONG = "hi " * MAX_MODEL_LEN
+
+# every number field gets every one of these; the pairs in ACCEPTED are valid requests
+NUMBER_FIELDS = [
+    "max_tokens", "temperature", "top_p", "n", "logprobs", "top_k", "min_p", "min_tokens",
+    "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+]  # fmt: skip
+NUMBERS = [math.nan, math.inf, -math.inf, 1e308, 2**70, -1, -(2**70), 1e-308]
+ACCEPTED = {
+    ("temperature", 1e308), ("temperature", 2**70), ("temperature", 1e-308),
+    ("top_p", 1e-308), ("min_p", 1e-308), ("top_k", 2**70), ("top_k", -1), ("seed", -1),
+    ("presence_penalty", -1), ("presence_penalty", 1e-308),
+    ("frequency_penalty", -1), ("frequency_penalty", 1e-308),
+}  # fmt: skip
+
+MALFORMED = {  # name: (path, body as bytes, status)
+    "invalid JSON": (COMPLETIONS, b'{"prompt": "hi",', 400),
+    "a JSON array": (COMPLETIONS, b'[{"prompt": "hi"}]', 400),
+    "a JSON string": (CHAT, b'"hi"', 400),
+    "an empty body": (CHAT, b"", 400),
+    "non-UTF-8 bytes": (COMPLETIONS, b'{"prompt": "\xff\xfe hi"}', 400),
+    "a lone surrogate": (COMPLETIONS, b'{"prompt": "hi \\ud800"}', 400),
+    "nested 100k deep": (COMPLETIONS, b"[" * 100_000, 400),
+    "an int of 5000 digits": (COMPLETIONS, b'{"prompt": "hi", "n": 1%s}' % (b"0" * 5000), 400),
+    "a 10 MB body": (COMPLETIONS, b'{"prompt": "%s"}' % (b"a" * (10 << 20)), 413),
+}
+# fmt: off
+INVALID = {  # name: (path, body, param)
+    "max_tokens a string": (COMPLETIONS, dict(prompt="hi", max_tokens="ten"), "max_tokens"),
+    "temperature a string": (CHAT, dict(messages=HI, temperature="hot"), "temperature"),
+    "messages a string": (CHAT, dict(messages="hi"), "messages"),
+    "messages empty": (CHAT, dict(messages=[]), "messages"),
+    "a message without content": (CHAT, dict(messages=[{"role": "user"}]), "messages"),
+    "a message without role": (CHAT, dict(messages=[{"content": "hi"}]), "messages.0.role"),
+    "prompt empty": (COMPLETIONS, dict(prompt=""), "prompt"),
+    "prompt a dict": (COMPLETIONS, dict(prompt={"text": "hi"}), "prompt"),
+    "prompt over max_model_len": (COMPLETIONS, dict(prompt=[5] * MAX_MODEL_LEN), "prompt"),
+    "chat over max_model_len": (CHAT, dict(messages=[{**HI[0], "content": LONG}]), "messages"),
+    "token id negative": (COMPLETIONS, dict(prompt=[5, -1]), "prompt"),
+    "token id = vocab": (COMPLETIONS, dict(prompt=[5, VOCAB]), "prompt"),
+    "token id 2**70": (COMPLETIONS, dict(prompt=[[5], [2**70]]), "prompt"),
+    "stop_token_ids out of vocab":
+        (COMPLETIONS, dict(prompt="hi", stop_token_ids=[VOCAB]), "stop_token_ids"),
+    "an unknown field": (COMPLETIONS, dict(prompt="hi", bogus=1), "bogus"),
+    "an unknown message field": (CHAT, dict(messages=[{**HI[0], "x": 1}]), "messages.0.x"),
+    "max_completion_tokens NaN":
+        (CHAT, dict(messages=HI, max_completion_tokens=math.nan), "max_completion_tokens"),
+    "top_logprobs 2**70":
+        (CHAT, dict(messages=HI, logprobs=True, top_logprobs=2**70), "top_logprobs"),
+    "stream with NaN": (COMPLETIONS, dict(prompt="hi", stream=True, top_p=math.nan), "top_p"),
+    "another model": (COMPLETIONS, dict(prompt="hi", model="gpt-9"), "model"),
+}
+# fmt: on
+
+
+@pytest.fixture(scope="module")
+def workers(start_server, tiny_model):
+    common = ["--model", str(tiny_model("llama")), "--num-blocks", "256", "--max-model-len"]
+    common += [str(MAX_MODEL_LEN), "--internal-token", TOKEN, "--served-model-name", "tiny"]
+    return start_server("prefill", *common), start_server("decode", *common)
+
+
+@pytest.fixture(scope="module")
+def proxy(start_server, workers):
+    p, d = workers
+    return start_server("proxy", "--prefill", p.url, "--decode", d.url, "--internal-token", TOKEN)
+
+
+@pytest.fixture(params=["proxy", "decode"])
+def url(request, proxy, workers) -> str:
+    return proxy.url if request.param == "proxy" else workers[1].url
+
+
+def post(base: str, path: str, content: bytes) -> httpx.Response:
+    headers = {"content-type": "application/json"}
+    return httpx.post(f"{base}{path}", content=content, headers=headers, timeout=60)
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None) -> None:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    if param is not None:
+        assert error["param"] == param, error
+
+
+@pytest.mark.parametrize("field", NUMBER_FIELDS)
+@pytest.mark.parametrize("value", NUMBERS, ids=repr)
+def test_odd_numbers(url, field, value):
+    body = {"prompt": "hi", "max_tokens": 2, field: value}
+    r = post(url, COMPLETIONS, json.dumps(body).encode())  # NaN and Infinity as Python writes them
+    if (field, value) in ACCEPTED:
+        assert r.status_code == 200, r.text
+    else:
+        assert_error(r, 400, field)
+
+
+@pytest.mark.parametrize("name", MALFORMED)
+def test_malformed_bodies(url, name):
+    path, content, status = MALFORMED[name]
+    assert_error(post(url, path, content), status)
+
+
+@pytest.mark.parametrize("name", INVALID)
+def test_invalid_requests(url, name):
+    path, body, param = INVALID[name]
+    status = 404 if name == "another model" else 400
+    assert_error(post(url, path, json.dumps(body).encode()), status, param)
+
+
+def test_malformed_kv_transfer_params(workers, proxy):
+    body = {"prompt": "hi", "kv_transfer_params": {"do_remote_prefill": True, "remote_port": "x"}}
+    for base in (proxy.url, workers[1].url):  # the proxy takes none from clients at all
+        assert_error(post(base, COMPLETIONS, json.dumps(body).encode()), 400, "kv_transfer_params")
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (COMPLETIONS, dict(prompt="hi", logprobs=0)),
+        (COMPLETIONS, dict(prompt="hi", logprobs=True, stream=True)),  # true is read as 1
+        (CHAT, dict(messages=HI, logprobs=True, top_logprobs=2)),
+    ],
+)
+def test_logprobs_through_the_proxy_equal_colocated(proxy, workers, path, body):
+    # P's first token comes without logprobs: D samples every token itself
+    content = json.dumps({**body, "max_tokens": 3, "temperature": 0}).encode()
+    through, local = (_logprobs(post(base, path, content)) for base in (proxy.url, workers[1].url))
+    assert [t for t, _ in through] == [t for t, _ in local] and len(local) == 3
+    assert [lp for _, lp in through] == pytest.approx([lp for _, lp in local], abs=1e-4)
+
+
+def _logprobs(r: httpx.Response) -> list[tuple[str, float]]:
+    """(token, logprob) of each generated token."""
+    assert r.status_code == 200, r.text
+    if r.headers["content-type"].startswith("text/event-stream"):
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: {")]
+        parts = [json.loads(e)["choices"][0]["logprobs"] for e in events]
+    else:
+        parts = [r.json()["choices"][0]["logprobs"]]
+    if "content" in parts[0]:  # chat
+        return [(t["token"], t["logprob"]) for p in parts for t in p["content"]]
+    return [pair for p in parts for pair in zip(p["tokens"], p["token_logprobs"])]
+
+
+def test_last_seed_with_siblings(url):
+    body = {"prompt": "hi", "max_tokens": 2, "n": 2, "seed": 2**64 - 1, "temperature": 1}
+    r = post(url, COMPLETIONS, json.dumps(body).encode())
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+
+
+def test_pools_free_and_both_paths_serve_afterwards(workers, proxy):
+    for worker in workers:
+        assert wait_until(lambda w=worker: w.metric("pdserve_kv_blocks_used") == 0), worker.url
+        assert worker.metric("pdserve_num_requests_running") == 0
+    for base in (proxy.url, *(w.url for w in workers)):
+        r = post(base, CHAT, json.dumps({"messages": HI, "max_tokens": 4}).encode())
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
