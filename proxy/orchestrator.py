@@ -125,7 +125,7 @@ class Orchestrator:
                     worker,
                     req.path,
                     req.prefill_body(push_to),
-                    {"X-Request-Id": req.request_id},
+                    {"X-Request-Id": req.request_id, **self.internal},
                     self._prefill_timeout,
                 )
             except UpstreamError as e:
@@ -209,7 +209,7 @@ class Orchestrator:
             tried += (decode,)
             decode.num_outstanding += 1
             try:
-                headers = {"X-Request-Id": req.request_id}
+                headers = {"X-Request-Id": req.request_id, **self.internal}
                 return await open_stream(
                     decode, req.path, content, headers, timeout or self._stream_timeout
                 ), decode

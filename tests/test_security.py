@@ -108,9 +108,27 @@ def test_internal_routes_need_the_cluster_token(workers):
     assert call(d.url, "POST", "/internal/kv/release", release, ok).json() == {"released": True}
 
 
+def test_kv_transfer_params_need_the_cluster_token(workers):
+    """They make the worker call the peer they name with the token attached: without the token a
+    client could point a worker at its own host and collect it."""
+    p, d = workers
+    trap = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [0],
+            "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": 9}  # fmt: skip
+    body = {"prompt": "hi", "max_tokens": 2}
+    for url, params in ((d.url, trap), (p.url, {"do_remote_decode": True})):
+        r = httpx.post(f"{url}/v1/completions", json={**body, "kv_transfer_params": params})
+        assert_error(r, 401, "authentication_error")
+    ok = httpx.post(f"{p.url}/v1/completions", headers={"X-Internal-Token": TOKEN},
+                    json={**body, "kv_transfer_params": {"do_remote_decode": True}})  # fmt: skip
+    assert ok.status_code == 200 and ok.json()["kv_transfer_params"]["remote_block_ids"]
+    release = {"request_id": ok.json()["kv_transfer_params"]["remote_request_id"]}
+    call(p.url, "POST", "/internal/kv/release", release, {"X-Internal-Token": TOKEN})
+
+
 def test_push_needs_the_proxys_token_too(start_proxy, workers):
     """With the token, P writes the KV into blocks D reserved for the proxy; with a wrong one D
-    refuses the reservation, and the request is pulled instead (the client is not blamed)."""
+    refuses the reservation and P the prefill for a transfer, so the request is served by D
+    alone (the client is not blamed)."""
     p, d = workers
     for token, pushed in ((TOKEN, True), ("wrong", False)):
         proxy = start_proxy("--mode", "push", "--internal-token", token)
@@ -118,7 +136,9 @@ def test_push_needs_the_proxys_token_too(start_proxy, workers):
         r = call(proxy.url, "POST", "/v1/chat/completions", CHAT)
         assert r.status_code == 200, r.text
         after = p.metric("pdserve_kv_push_bytes_total", 0), d.metric("pdserve_kv_transfers_total")
-        assert (after[0] > before[0], after[1] > before[1]) == (pushed, not pushed)
+        assert (after[0] > before[0], after[1] > before[1]) == (pushed, False)
+    colocated = 'pdserve_proxy_routed_total{path="colocated",reason="prefill_failed"}'
+    assert proxy.metric(colocated) == 1
 
 
 def other_local_address() -> str:

@@ -15,7 +15,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from common.api.errors import InvalidRequestError
@@ -85,7 +93,7 @@ class _GenerationRequest(_Request):
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    stream: bool = False
+    stream: StrictBool = False  # OpenAI's type; the proxy reads it the same way
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: int = 0

@@ -175,11 +175,14 @@ async def collect(request: Request, outputs: AsyncIterator) -> list | None:
     return items
 
 
-async def resolve_kv_params(state: ServerState, raw: dict | None) -> dict | None:
+async def resolve_kv_params(state: ServerState, raw: dict | None, request: Request) -> dict | None:
     """The request's kv_transfer_params, once a remote prefill's peer is known (handshake);
-    None when the prompt will be computed here instead."""
-    from common.api.internal import ensure_peer, ensure_push_target
+    None when the prompt will be computed here instead. With a cluster token they need it too:
+    they make this worker call the peer they name, token attached."""
+    from common.api.internal import check_internal_token, ensure_peer, ensure_push_target
 
+    if raw is not None:
+        check_internal_token(state, request)
     if wants_remote_decode(raw) and raw.get("push_to"):
         await ensure_push_target(state, raw)
         return raw
