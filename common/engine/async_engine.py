@@ -16,11 +16,12 @@ Leaving the `async for` early (a client that went away) aborts the request and f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
 from common.engine.engine import LLMEngine
@@ -136,13 +137,17 @@ class AsyncEngine:
 
     # -- the engine thread ------------------------------------------------------------------------
     def _call(self, fn: Callable, *args) -> Future:
+        """`fn` runs on the engine thread even if the caller stops waiting (a client that goes
+        away cancels the future): whatever it did, the caller's clean-up (an abort) follows it."""
         fut: Future = Future()
 
         def run() -> None:
             try:
-                fut.set_result(fn(*args))
+                result = fn(*args)
             except BaseException as e:  # noqa: BLE001 — handed to the awaiting caller
-                fut.set_exception(e)
+                _settle(fut.set_exception, e)
+            else:
+                _settle(fut.set_result, result)
 
         self._submit(run)
         return fut
@@ -237,3 +242,9 @@ class AsyncEngine:
             kv_checksum_failures=transfer.num_checksum_failures if transfer else 0,
             kv_blocks_held=leases.num_blocks_held if leases is not None else 0,
         )
+
+
+def _settle(setter: Callable, value) -> None:
+    # NOTE: a cancelled future refuses a result; letting that raise killed the engine thread
+    with contextlib.suppress(InvalidStateError):
+        setter(value)
