@@ -1,4 +1,4 @@
-.PHONY: setup run test lint
+.PHONY: setup run test chaos lint
 
 setup:  ## set everything up, start a local cluster, ask it a question, stop it
 	bash deploy/setup.sh
@@ -8,6 +8,9 @@ run:  ## the local cluster in the foreground, proxy on :8000 (Ctrl-C stops it); 
 
 test:  ## lint and run the test suite (sets up first if needed)
 	bash deploy/test.sh -q
+
+chaos:  ## the chaos tests, the long ones too (kills, freezes and restarts of real workers)
+	PDSERVE_CHAOS_LONG=1 .venv/bin/python -m pytest tests/chaos -q
 
 lint:
 	.venv/bin/ruff check .

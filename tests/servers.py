@@ -22,17 +22,28 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, role: str, args: list[str], log_path: Path):
-        self.port = free_port()
+    def __init__(self, role: str, args: list[str], log_path: Path, port: int | None = None):
+        self.role = role
+        self.args = list(args)
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-        module = "proxy" if role == "proxy" else f"{role}_server"
-        cmd = [sys.executable, "-m", module, "--port", str(self.port), *args]
         self._log = open(log_path, "wb")  # noqa: SIM115 — closed in stop()
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT
-        )
+        self.proc = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen:
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        module = "proxy" if self.role == "proxy" else f"{self.role}_server"
+        cmd = [sys.executable, "-m", module, "--port", str(self.port), *self.args]
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def restart(self, sig: int = signal.SIGKILL) -> ServerProcess:
+        """Stop the process (SIGKILL by default) and start a new one on the same port with the
+        same arguments (a worker's new process has a new engine id); not waited for."""
+        self.stop(sig)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 — closed in stop()
+        self.proc = self._spawn()
+        return self
 
     def wait_ready(self, timeout: float = 120.0, path: str = "/health") -> ServerProcess:
         deadline = time.monotonic() + timeout
@@ -63,6 +74,7 @@ class ServerProcess:
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
+            self.proc.send_signal(signal.SIGCONT)  # a frozen process acts on it only once thawed
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -125,6 +125,12 @@ def install_internal_routes(app: FastAPI, state: ServerState) -> None:
         body = _parse(ReserveRequest, await read_json_body(request, state.cfg.max_body_bytes))
         engine, connector = _connector(state)
         num_tokens = _num_prompt_tokens(engine.engine, body)
+        if num_tokens >= engine.engine.max_model_len:  # never admitted: no use holding blocks
+            raise InvalidRequestError(
+                f"a prompt of {num_tokens} tokens leaves no room in max_model_len "
+                f"{engine.engine.max_model_len}",
+                param="num_tokens",
+            )
         try:
             res = await asyncio.wrap_future(engine.call(connector.reserve, num_tokens))
         except NoFreeBlocksError as e:
@@ -138,6 +144,7 @@ def install_internal_routes(app: FastAPI, state: ServerState) -> None:
             "block_ids": [b.block_id for b in res.blocks],
             "host": cfg.advertise_host,
             "port": cfg.advertise_port,
+            "write_by": res.write_by,  # P writes nothing after this (unix time, our clock)
         }
 
 

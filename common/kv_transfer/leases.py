@@ -3,6 +3,12 @@
 A lease ends when the reader says it is done, when D or the proxy releases it, or when it
 expires; expiry is checked in expiry order. Held blocks are never evicted: they keep their
 reference until the lease ends.
+
+The other side learns a lease's end as a wall-clock deadline (`wall_deadline`): a reader (or a
+pushing writer) must have finished by then, `skew_margin` before the owner may free the blocks.
+A reader that was frozen or slow past it fails closed instead of using reused blocks.
+NOTE: a transfer already inside NIXL when its process stops can still land late; the margin
+covers short stalls there, not a peer frozen in the middle of a copy.
 """
 
 from __future__ import annotations
@@ -13,6 +19,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.kv_cache.block_pool import Block
+
+
+def skew_margin(timeout: float) -> float:
+    """How much earlier than the owner frees blocks a peer must be done with them: room for
+    clock skew between hosts and for a transfer to land."""
+    return min(1.0, timeout / 10)
+
+
+def wall_deadline(timeout: float) -> float:
+    """For a peer: the unix time by which a transfer of blocks held `timeout` seconds from now
+    must be complete."""
+    return time.time() + timeout - skew_margin(timeout)
+
+
+def local_deadline(wall: float) -> float:
+    """A peer's wall-clock deadline on this host's monotonic clock."""
+    return time.monotonic() + (wall - time.time())
 
 
 @dataclass

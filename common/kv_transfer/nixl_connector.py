@@ -30,7 +30,7 @@ from typing import Any
 from common.config import TransferConfig
 from common.kv_transfer.base import KVConnector
 from common.kv_transfer.checksum import mismatch, request_checksums
-from common.kv_transfer.leases import LeaseTable
+from common.kv_transfer.leases import LeaseTable, local_deadline, wall_deadline
 from common.kv_transfer.params import PushTarget, RemotePrefill, push_target, wants_remote_decode
 from common.kv_transfer.reservations import PUSHED, Reservation, ReservationTable
 
@@ -143,6 +143,7 @@ class NixlConnector(KVConnector):
             return False
         if request.status.name == "FINISHED_ABORTED" or not request.blocks:
             return False
+        read_by = wall_deadline(self.cfg.lease_timeout)  # before the lease starts: never later
         self.leases.hold(request.request_id, request.blocks)
         request.kv_transfer_params_out = RemotePrefill(
             remote_engine_id=self.cfg.engine_id,
@@ -152,6 +153,7 @@ class NixlConnector(KVConnector):
             remote_port=self.cfg.advertise_port,
             first_token_id=request.output_token_ids[0],
             kv_checksums=checksums,
+            read_by=read_by,
         ).to_dict()
         request.blocks = []
         return True
@@ -252,7 +254,7 @@ class NixlConnector(KVConnector):
                     layer,
                     plan.local_blocks,
                     plan.remote_blocks,
-                    deadline=deadline,
+                    deadline=_fenced(deadline, plan.remote.read_by),
                 )
                 self._futures[layer].append((plan, future))
 
@@ -268,6 +270,10 @@ class NixlConnector(KVConnector):
                 continue
             self.stats.bytes_loaded += result.num_bytes
             self.stats.descriptors += result.num_descriptors
+            if plan.remote.read_by is not None and time.time() > plan.remote.read_by:
+                # P may have freed and reused the blocks while this read was in flight
+                self._fail_load(plan, "the prefill worker's lease ran out before the KV landed")
+                continue
             expected = plan.remote.kv_checksums
             if expected is not None:
                 n = len(plan.local_blocks)
@@ -308,7 +314,7 @@ class NixlConnector(KVConnector):
                 plan.local_blocks,
                 plan.remote_blocks,
                 notif=notif,
-                deadline=deadline,
+                deadline=_fenced(deadline, plan.target.write_by),
             )
             self._writes.append((plan, future))
 
@@ -354,6 +360,12 @@ class NixlConnector(KVConnector):
                 remote.remote_engine_id,
                 e,
             )
+
+
+def _fenced(deadline: float, peer_deadline: float | None) -> float:
+    """The earlier of a local deadline and a peer's wall-clock one (its lease or reservation):
+    a transfer never runs past the time the peer may reuse the blocks."""
+    return deadline if peer_deadline is None else min(deadline, local_deadline(peer_deadline))
 
 
 def _submit(transfer, *args, **kwargs) -> Future:

@@ -10,6 +10,7 @@ already sent it to the client, so D's stream starts at the second token).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ class RemotePrefill:
     first_token_streamed: bool = False
     push_reservation_id: str | None = None  # push mode: the KV was written into these blocks
     kv_checksums: list[list[int]] | None = None  # per layer, per block (--kv-checksum on P)
+    read_by: float | None = None  # unix time (P's clock): reads must be done by then (lease)
     do_remote_prefill: bool = True
 
     @classmethod
@@ -48,6 +50,7 @@ class RemotePrefill:
                 first_token_streamed=bool(raw.get("first_token_streamed", False)),
                 push_reservation_id=raw.get("push_reservation_id"),
                 kv_checksums=_checksums(raw.get("kv_checksums")),
+                read_by=_optional_float(raw.get("read_by")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise KVTransferParamsError(
@@ -62,6 +65,15 @@ def _checksums(raw: Any) -> list[list[int]] | None:
     if raw is None:
         return None
     return [[int(c) for c in layer] for layer in raw]
+
+
+def _optional_float(raw: Any) -> float | None:
+    if raw is None:
+        return None
+    value = float(raw)
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {raw!r}")
+    return value
 
 
 def wants_remote_decode(raw: dict[str, Any] | None) -> bool:
@@ -81,6 +93,7 @@ class PushTarget:
     block_ids: list[int]
     host: str
     port: int
+    write_by: float | None = None  # unix time (D's clock): writes must have landed by then
 
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> PushTarget:
@@ -91,6 +104,7 @@ class PushTarget:
                 block_ids=[int(b) for b in raw["block_ids"]],
                 host=str(raw["host"]),
                 port=int(raw["port"]),
+                write_by=_optional_float(raw.get("write_by")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise KVTransferParamsError(

@@ -1,0 +1,44 @@
+"""Chaos fixtures: one real P and one real D for the whole package (`workers`), each module
+puts a proxy in front (`tests.chaos.cluster`); a test may break any of them, `heal()` puts them
+back. `chaos_long` tests run only with PDSERVE_CHAOS_LONG=1 (a deliberate opt-in: `make chaos`)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.chaos.cluster import D_WORKER, P_WORKER, WORKER
+from tests.servers import ServerProcess
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PDSERVE_CHAOS_LONG") == "1":
+        return
+    skip = pytest.mark.skip(reason="long chaos test: run with PDSERVE_CHAOS_LONG=1 (make chaos)")
+    for item in items:
+        if "chaos_long" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="package")
+def start_worker(tiny_model, tmp_path_factory):
+    """start_worker(role, *args) → a ready worker on the tiny model, stopped at package end
+    (the package's tests share workers: each start costs seconds of two shared cores)."""
+    started: list[ServerProcess] = []
+
+    def start(role: str, *args: str) -> ServerProcess:
+        log = tmp_path_factory.mktemp("chaos-logs") / f"{role}.log"
+        server = ServerProcess(role, ["--model", str(tiny_model("llama")), *WORKER, *args], log)
+        started.append(server)
+        return server.wait_ready()
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="package")
+def workers(start_worker) -> tuple[ServerProcess, ServerProcess]:
+    """P and D, shared by every module: a test that breaks one heals it."""
+    return start_worker("prefill", *P_WORKER), start_worker("decode", *D_WORKER)

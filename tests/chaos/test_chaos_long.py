@@ -1,0 +1,121 @@
+"""Long chaos (PDSERVE_CHAOS_LONG=1, `make chaos`): scripted faults while clients keep sending
+requests, in pull and push modes; a P frozen past the proxy's prefill timeout (pull), killed or
+frozen mid-push (chunked prefill). Every request ends clearly, the proxy follows, both pools
+end free."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from tests.chaos.client import HANG_GUARD, Background, assert_clear, body, complete, stream
+from tests.chaos.cluster import Cluster, start_proxy
+from tests.chaos.faults import freeze, frozen, kill, restart, thaw
+from tests.servers import wait_until
+
+pytestmark = pytest.mark.chaos_long
+
+PROMPTS = [list(range(3 + 5 * i, 40 + 11 * i)) for i in range(6)]
+
+
+def bounce(cluster: Cluster, server) -> None:
+    """kill -9, ejected, restarted (a new engine id), readmitted."""
+    kill(server)
+    cluster.wait_health(server, False)
+    restart(server)
+    cluster.wait_health(server, True)
+
+
+def pause(cluster: Cluster, server, seconds: float) -> None:
+    with frozen(server):
+        time.sleep(seconds)
+    cluster.wait_health(server, True)
+
+
+FAULTS = [
+    lambda c: bounce(c, c.p),
+    lambda c: pause(c, c.d, 1.0),  # shorter than the proxy's patience
+    lambda c: pause(c, c.p, 5.0),  # longer than the prefill timeout
+    lambda c: bounce(c, c.d),
+    lambda c: pause(c, c.d, 5.0),  # longer than the decode timeout
+    lambda c: (kill(c.p), bounce(c, c.d), restart(c.p), c.wait_health(c.p, True)),
+]
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_scripted_faults_under_load(start_server, workers, mode):
+    cluster = start_proxy(start_server, *workers, "--mode", mode)
+    refs = [cluster.reference(prompt, max_tokens=24) for prompt in PROMPTS]
+    outcomes: list[tuple[int, object]] = []
+    done = threading.Event()
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        while not done.is_set():
+            i = rng.randrange(len(PROMPTS))
+            send = rng.choice([complete, stream])
+            out = send(cluster.proxy.url, body(PROMPTS[i], max_tokens=24))
+            outcomes.append((i, out))
+            if not out.is_ok:
+                time.sleep(0.2)  # a client backs off after an error
+
+    clients = [Background(client, seed) for seed in range(3)]
+    try:
+        for fault in FAULTS:
+            fault(cluster)
+            time.sleep(0.5)
+    finally:
+        done.set()
+        for c in clients:
+            c.result(timeout=2 * HANG_GUARD)
+    for i, out in outcomes:
+        assert_clear(out, refs[i])
+    num_ok = sum(out.is_ok for _, out in outcomes)
+    assert num_ok >= 3 * len(FAULTS), f"{num_ok} of {len(outcomes)} requests succeeded"
+    cluster.heal()
+    cluster.assert_pools_free()
+    for i, prompt in enumerate(PROMPTS):  # all well again: disaggregated, colocated output
+        assert_clear(complete(cluster.proxy.url, body(prompt, max_tokens=24)), refs[i])
+
+
+def test_prefill_frozen_past_its_timeout_leaves_an_unread_lease(start_server, workers):
+    cluster = start_proxy(start_server, *workers)
+    p, proxy = cluster.p, cluster.proxy
+    prompt = list(range(5, 400))
+    ref = cluster.reference(prompt)
+    with frozen(p):  # the proxy gives up on P after 4 s and asks D alone
+        out = complete(proxy.url, body(prompt))
+        assert out.is_ok and out.token_ids == ref, out
+        assert cluster.routed("colocated", "prefill_failed") == 1
+        cluster.wait_health(p, False)
+    cluster.wait_health(p, True)
+    cluster.assert_pools_free()  # P's late KV: released when the client is gone, or expired
+
+
+@pytest.fixture(scope="module")
+def chunked(start_server, start_worker, workers) -> Cluster:
+    """A P that prefills 16 tokens a step: a long prompt's push spans many steps."""
+    p = start_worker("prefill", "--max-num-batched-tokens", "16", "--kv-lease-timeout", "5")
+    return start_proxy(start_server, p, workers[1], "--mode", "push")
+
+
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_prefill_faulted_mid_push(chunked, fault):
+    cluster, p = chunked, chunked.p
+    prompt = list(range(9, 480))
+    ref = cluster.reference(prompt)
+    pushed = p.metric("pdserve_kv_push_bytes_total")
+    call = Background(complete, cluster.proxy.url, body(prompt))
+    assert wait_until(lambda: p.metric("pdserve_kv_push_bytes_total") > pushed, interval=0.005)
+    kill(p) if fault == "kill" else freeze(p)
+    try:
+        assert_clear(call.result(), ref)
+        cluster.wait_health(p, False)
+    finally:
+        thaw(p)
+    cluster.heal()
+    cluster.assert_pools_free()
+    assert_clear(complete(cluster.proxy.url, body(prompt)), ref)
