@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -113,6 +114,8 @@ def main() -> None:
     ap.add_argument("--model", help="HF folder (default: the built-in SmolLM2)")
     ap.add_argument("--json", type=Path, help="also write the ledger here")
     args = ap.parse_args()
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so every started process is stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     logs = Path(tempfile.mkdtemp(prefix="soak_"))
     with ExitStack() as stack:
         workers, proxy = start_cluster(stack, logs, ["--model", args.model] if args.model else [])
