@@ -1,4 +1,4 @@
-.PHONY: setup run test chaos lint
+.PHONY: setup run test chaos soak lint
 
 setup:  ## set everything up, start a local cluster, ask it a question, stop it
 	bash deploy/setup.sh
@@ -11,6 +11,9 @@ test:  ## lint and run the test suite (sets up first if needed)
 
 chaos:  ## the chaos tests, the long ones too (kills, freezes and restarts of real workers)
 	PDSERVE_CHAOS_LONG=1 .venv/bin/python -m pytest tests/chaos -q
+
+soak:  ## 10 minutes, 64 streams, 10% aborts through proxy + 2 P + 2 D; exit 1 on leaks, hangs, RSS growth
+	.venv/bin/python benchmarks/soak.py --duration 600 $(ARGS)
 
 lint:
 	.venv/bin/ruff check .
