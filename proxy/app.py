@@ -20,11 +20,15 @@ from fastapi.responses import JSONResponse, Response
 from common.api.errors import (
     APIError,
     AuthenticationError,
-    PayloadTooLargeError,
     ServerError,
     UnavailableError,
 )
-from common.api.http import error_response, install_error_handlers, json_body_openapi
+from common.api.http import (
+    error_response,
+    install_error_handlers,
+    json_body_openapi,
+    read_body,
+)
 from common.api.protocol import ChatCompletionRequest, CompletionRequest
 from proxy.config import ProxyConfig
 from proxy.health import HealthChecker
@@ -107,18 +111,6 @@ def check_key(request: Request, key: str | None) -> None:
         raise AuthenticationError(
             "invalid or missing API key (send Authorization: Bearer KEY)", code="invalid_api_key"
         )
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise PayloadTooLargeError(f"request body is {length} bytes; the limit is {limit}")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
-    return bytes(body)
 
 
 async def serve(proxy: Proxy, request: Request, path: str) -> Response:

@@ -28,12 +28,13 @@ __all__ = [
     "install_error_handlers",
     "json_body_openapi",
     "parse_json_object",
+    "read_body",
     "read_json_body",
 ]
 
 
-async def read_json_body(request: Request, limit: int) -> dict:
-    """The request's JSON object; 413 past `limit` bytes, 400 for anything not a JSON object."""
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body; 413 past `limit` bytes (announced or as it streams in)."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise PayloadTooLargeError(f"request body is {length} bytes; the limit is {limit}")
@@ -42,7 +43,12 @@ async def read_json_body(request: Request, limit: int) -> dict:
         body += chunk
         if len(body) > limit:
             raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
-    return parse_json_object(bytes(body))
+    return bytes(body)
+
+
+async def read_json_body(request: Request, limit: int) -> dict:
+    """The request's JSON object; 413 past `limit` bytes, 400 for anything not a JSON object."""
+    return parse_json_object(await read_body(request, limit))
 
 
 # a \uXXXX escape of a UTF-16 surrogate: a pair is one character, a lone one is no text at all
