@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: push notifications per chunk (reservations.py)
 
 
 class HandshakeInfo(BaseModel):

@@ -11,6 +11,12 @@ Contract
   in-flight one. A dead peer fails the Future with TransferError; a transfer still running at
   the caller's deadline fails with TimeoutError (NIXL has no timeout of its own). Future
   callbacks run on the transfer thread: keep them short (`loop.call_soon_threadsafe`).
+- The Future (`TransferFuture`) also tells when the transfer has *settled* (`is_settled()`):
+  done, or failed and its handle released (an abort), or cancelled before it started. A failure
+  is reported at once, but memory it touched may be reused only once it has settled: a handle
+  NIXL refuses to release is polled until it leaves "PROC" and released then.
+- `ready` (a CUDA event, optional): the transfer thread waits for it before posting, so a WRITE
+  never reads VRAM that a kernel queued before it is still writing.
 - NOTE: a hung peer is not always a stuck transfer: over an established cma connection, READs
   and WRITEs to a SIGSTOPped peer complete (the kernel copies without it); connecting to it, or
   transferring after a notif was sent to it, stays in progress until the deadline.
@@ -56,6 +62,17 @@ class TransferResult:
     num_descriptors: int  # before NIXL merges adjacent ones
 
 
+class TransferFuture(Future):
+    """A transfer's outcome, and whether it can still touch memory (see `is_settled`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._is_settled = False
+
+    def is_settled(self) -> bool:
+        return self._is_settled or self.cancelled()
+
+
 @dataclass
 class _Peer:
     layout: KVLayout
@@ -71,7 +88,8 @@ class _Job:
     notif: bytes
     deadline: float | None
     num_bytes: int
-    future: Future[TransferResult] = field(default_factory=Future)
+    ready: Any = None  # a CUDA event the data waits on, or None
+    future: TransferFuture = field(default_factory=TransferFuture)
     handle: Any = None
     started: float = 0.0
 
@@ -96,6 +114,7 @@ class NixlTransport:
         self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, self.layout.mem_type)
         self._peers: dict[str, _Peer] = {}  # written only on the transfer thread
         self._inflight: list[_Job] = []  # transfer thread only
+        self._aborting: list[_Job] = []  # failed, handle not yet released: not settled
         self._queue: queue.SimpleQueue[_Job | _Command | None] = queue.SimpleQueue()
         self._submit_lock = threading.Lock()
         self._closed = False
@@ -131,7 +150,7 @@ class NixlTransport:
         remote_blocks: Sequence[int],
         notif: bytes = b"",
         deadline: float | None = None,
-    ) -> Future[TransferResult]:
+    ) -> TransferFuture:
         """Copy the peer's `remote_blocks` of `layer` into our `local_blocks` (K and V)."""
         return self._submit("READ", peer, layer, local_blocks, remote_blocks, notif, deadline)
 
@@ -143,9 +162,13 @@ class NixlTransport:
         remote_blocks: Sequence[int],
         notif: bytes = b"",
         deadline: float | None = None,
-    ) -> Future[TransferResult]:
-        """Copy our `local_blocks` of `layer` into the peer's `remote_blocks` (K and V)."""
-        return self._submit("WRITE", peer, layer, local_blocks, remote_blocks, notif, deadline)
+        ready: Any = None,
+    ) -> TransferFuture:
+        """Copy our `local_blocks` of `layer` into the peer's `remote_blocks` (K and V), once
+        `ready` (a CUDA event recorded after the layer's KV was written) has completed."""
+        return self._submit(
+            "WRITE", peer, layer, local_blocks, remote_blocks, notif, deadline, ready
+        )
 
     def send_notif(self, peer: str, msg: bytes) -> None:
         self._agent.send_notif(self._peer(peer).layout.agent_name, msg)
@@ -178,13 +201,13 @@ class NixlTransport:
             raise ValueError(f"unknown peer {engine_id!r}")
         return peer
 
-    def _submit(self, op, peer, layer, local_blocks, remote_blocks, notif, deadline):
+    def _submit(self, op, peer, layer, local_blocks, remote_blocks, notif, deadline, ready=None):
         if len(local_blocks) != len(remote_blocks):
             raise ValueError(f"{len(local_blocks)} local blocks but {len(remote_blocks)} remote")
         local_idx = self.layout.layer_indices(layer, local_blocks)
         remote_idx = self._peer(peer).layout.layer_indices(layer, remote_blocks)
         num_bytes = len(local_idx) * self.layout.block_len
-        job = _Job(op, peer, local_idx, remote_idx, notif, deadline, num_bytes)
+        job = _Job(op, peer, local_idx, remote_idx, notif, deadline, num_bytes, ready)
         self._enqueue(job)
         return job.future
 
@@ -214,7 +237,8 @@ class NixlTransport:
         wait = _MIN_POLL_S
         while True:
             try:  # sleeps until work arrives, or for the poll interval while transfers run
-                item = self._queue.get(timeout=wait if self._inflight else None)
+                busy = self._inflight or self._aborting
+                item = self._queue.get(timeout=wait if busy else None)
             except queue.Empty:
                 item = _NOTHING
             while item is not _NOTHING:
@@ -256,9 +280,12 @@ class NixlTransport:
         peer = self._peers.get(job.peer)
         if peer is None:
             raise TransferError(f"peer {job.peer!r} was removed")
+        if job.ready is not None:  # the layer's KV kernels have finished writing VRAM
+            job.ready.synchronize()
         if len(job.local_idx) == 0:  # nothing to move: still deliver the notification
             if job.notif:
                 self._agent.send_notif(peer.layout.agent_name, job.notif)
+            job.future._is_settled = True
             return job.future.set_result(TransferResult(0, 0.0, 0))
         job.handle = self._agent.make_prepped_xfer(
             job.op, self._local, job.local_idx, peer.dlist, job.remote_idx, notif_msg=job.notif
@@ -280,6 +307,7 @@ class NixlTransport:
                 still.append(job)
         finished = len(still) < len(self._inflight)
         self._inflight = still
+        self._aborting = [job for job in self._aborting if not self._try_settle(job)]
         return finished
 
     def _settle(self, job: _Job, state: str) -> bool:
@@ -296,21 +324,39 @@ class NixlTransport:
 
     def _finish(self, job: _Job) -> None:
         seconds = time.monotonic() - job.started
-        self._release(job)
+        if not self._release(job):
+            self._aborting.append(job)
+        job.future._is_settled = job.handle is None
         job.future.set_result(TransferResult(job.num_bytes, seconds, len(job.local_idx)))
 
     def _fail(self, job: _Job, exc: BaseException) -> None:
-        self._release(job)  # releasing an in-flight handle aborts it; its data is partial
+        if not self._release(job):  # releasing an in-flight handle aborts it; data is partial
+            self._aborting.append(job)  # may still move data: settled once NIXL lets go
+        job.future._is_settled = job.handle is None
         if not job.future.done():
             job.future.set_exception(exc)
 
-    def _release(self, job: _Job) -> None:
+    def _release(self, job: _Job) -> bool:
+        """Release the job's handle; False (handle kept) if NIXL refused."""
         if job.handle is not None:
             try:
                 job.handle.release()
-            except Exception:
-                logger.warning("releasing a %s handle with %s failed", job.op, job.peer)
+            except Exception as e:
+                logger.warning("releasing a %s handle with %s failed: %r", job.op, job.peer, e)
+                return False
             job.handle = None
+        return True
+
+    def _try_settle(self, job: _Job) -> bool:
+        """An aborted job whose handle NIXL refused to release: release it once the transfer
+        is no longer in progress. True once settled."""
+        try:
+            state = self._agent.check_xfer_state(job.handle)
+        except Exception:  # noqa: BLE001 — the peer is gone: nothing can move any more
+            state = "ERR"
+        if state != "PROC" and self._release(job):
+            job.future._is_settled = True
+        return job.future._is_settled
 
     def _add_peer(self, layout: KVLayout, metadata: bytes) -> None:
         self._drop_peer(layout.engine_id)

@@ -1,7 +1,11 @@
 """Blocks a decode worker reserves for a prefill worker to push (WRITE) a prompt's KV into.
 
-A reservation is complete once a notification for every layer has arrived (in any order). The
-decode request then takes its blocks over; a reservation nobody claims expires and is freed.
+P pushes a prompt in chunks (one per prefill step); every chunk's WRITE of every layer carries a
+notification, `pushed:<reservation>:<layer>:<chunk>`, and the final chunk's say so
+(`...:<chunk>:last`). A notification reaches D only after its data has landed. A reservation is
+complete once every (layer, chunk) up to the final chunk has reported, in any order: a chunk
+whose WRITE failed never reports, so D never decodes from KV with holes in it. The decode
+request then takes the blocks over; a reservation nobody claims expires and is freed.
 
 P learns the reservation's expiry as `write_by` (wall clock, `skew_margin` early) and writes
 nothing after it. A reservation released before P is done (P failed or was too slow, as far as
@@ -20,6 +24,24 @@ from common.kv_cache.block_pool import Block, BlockPool
 from common.kv_transfer.leases import wall_deadline
 
 PUSHED = b"pushed:"
+_LAST = "last"
+
+
+def push_notif(reservation_id: str, layer: int, chunk: int, is_final: bool) -> bytes:
+    """The notification a push chunk's WRITE of one layer carries."""
+    tail = f":{_LAST}" if is_final else ""
+    return PUSHED + f"{reservation_id}:{layer}:{chunk}{tail}".encode()
+
+
+def parse_push_notif(msg: bytes) -> tuple[str, int, int, bool]:
+    """(reservation id, layer, chunk, is_final) of a `push_notif`; ValueError if malformed."""
+    parts = msg[len(PUSHED) :].decode().split(":")
+    is_final = parts[-1] == _LAST
+    if is_final:
+        parts = parts[:-1]
+    if len(parts) != 3:
+        raise ValueError(f"malformed push notification {msg!r}")
+    return parts[0], int(parts[1]), int(parts[2]), is_final
 
 
 @dataclass
@@ -28,7 +50,8 @@ class Reservation:
     blocks: list[Block]
     expires_at: float
     write_by: float  # unix time: P's writes must have landed by then
-    layers_done: set[int] = field(default_factory=set)
+    landed: set[tuple[int, int]] = field(default_factory=set)  # (layer, chunk)
+    num_chunks: int | None = None  # known once a final chunk has reported
 
 
 class ReservationTable:
@@ -46,6 +69,7 @@ class ReservationTable:
         self._table: dict[str, Reservation] = {}
         self._released: dict[str, Reservation] = {}  # P may still write: blocks kept until expiry
         self.num_expired = 0
+        self.num_incomplete = 0  # given up or expired before every chunk landed
 
     def __len__(self) -> int:
         return len(self._table) + len(self._released)
@@ -59,11 +83,14 @@ class ReservationTable:
         return res
 
     def on_notification(self, msg: bytes) -> None:
-        """`pushed:<reservation id>:<layer>`; unknown or expired reservations are ignored."""
-        rid, _, layer = msg[len(PUSHED) :].decode().rpartition(":")
+        """A chunk of one layer landed; unknown or expired reservations are ignored."""
+        rid, layer, chunk, is_final = parse_push_notif(msg)
         res = self._table.get(rid) or self._released.get(rid)
-        if res is not None:
-            res.layers_done.add(int(layer))
+        if res is None or not 0 <= layer < self.num_layers:
+            return
+        res.landed.add((layer, chunk))
+        if is_final:
+            res.num_chunks = chunk + 1
         if rid in self._released and self._is_done(res):  # P is done writing: free them now
             self._free(self._released.pop(rid))
 
@@ -72,7 +99,10 @@ class ReservationTable:
         return res is not None and self._is_done(res)
 
     def _is_done(self, res: Reservation) -> bool:
-        return len(res.layers_done) == self.num_layers
+        if res.num_chunks is None:
+            return False
+        want = self.num_layers * res.num_chunks
+        return len(res.landed) == want and all(c < res.num_chunks for _, c in res.landed)
 
     def is_known(self, reservation_id: str) -> bool:
         return reservation_id in self._table
@@ -90,6 +120,7 @@ class ReservationTable:
         if self._is_done(res):
             self._free(res)
         else:
+            self.num_incomplete += 1
             self._released[reservation_id] = res
         return True
 
@@ -98,7 +129,9 @@ class ReservationTable:
         now = self._clock()
         expired = [rid for rid, res in self._table.items() if res.expires_at <= now]
         for rid in expired:
-            self._free(self._table.pop(rid))
+            res = self._table.pop(rid)
+            self.num_incomplete += not self._is_done(res)
+            self._free(res)
         for rid in [rid for rid, res in self._released.items() if res.expires_at <= now]:
             self._free(self._released.pop(rid))
         self.num_expired += len(expired)
