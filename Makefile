@@ -9,8 +9,8 @@ run:  ## the local cluster in the foreground, proxy on :8000 (Ctrl-C stops it); 
 test:  ## lint and run the test suite (sets up first if needed)
 	bash deploy/test.sh -q
 
-chaos:  ## the chaos tests, the long ones too (kills, freezes and restarts of real workers)
-	PDSERVE_CHAOS_LONG=1 .venv/bin/python -m pytest tests/chaos -q
+chaos:  ## the chaos tests alone (kills, freezes and restarts of real workers; also in make test)
+	.venv/bin/python -m pytest tests/chaos -q
 
 soak:  ## 10 minutes, 64 streams, 10% aborts through proxy + 2 P + 2 D; exit 1 on leaks, hangs, RSS growth
 	.venv/bin/python benchmarks/soak.py --duration 600 $(ARGS)

@@ -91,3 +91,17 @@ def wait_until(predicate, timeout: float = 15.0, interval: float = 0.1) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+def kv_sources(server: ServerProcess) -> dict[str, float]:
+    """Where a decode worker's remote-prefill requests got their KV: `pull` and `push` (loaded
+    over NIXL) and `recomputed` (every reason), from its /metrics."""
+    text = httpx.get(f"{server.url}/metrics", timeout=5).text
+    sources = {"pull": 0.0, "push": 0.0, "recomputed": 0.0}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith("pdserve_kv_loaded_requests_total{"):
+            sources[name.split('mode="')[1].split('"')[0]] = float(value)
+        elif name.startswith("pdserve_kv_recomputed_total{"):
+            sources["recomputed"] += float(value)
+    return sources

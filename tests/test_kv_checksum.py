@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from common.kv_transfer.checksum import block_checksums, mismatch, request_checksums
-from tests.servers import wait_until
+from tests.servers import kv_sources, wait_until
 from tests.test_pd_pull import complete, prefill, prompts
 
 
@@ -51,6 +51,7 @@ def test_checked_kv_decodes_as_colocated(start_server, model):
         assert pulled["choices"][0]["token_ids"] == complete(d.url, body)["choices"][0]["token_ids"]
     assert d.metric("pdserve_kv_checksum_failures_total") == 0
     assert d.metric("pdserve_kv_transfers_total") == 6
+    assert kv_sources(d) == {"pull": 6, "push": 0, "recomputed": 0}
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
@@ -74,6 +75,8 @@ def test_kv_reused_after_lease_expiry_fails_closed(start_server, model, policy):
         assert r.status_code == 200
         expected = complete(d.url, victim)["choices"][0]["token_ids"]
         assert r.json()["choices"][0]["token_ids"] == expected
+        assert d.metric('pdserve_kv_recomputed_total{reason="checksum_mismatch"}') == 1
     assert d.metric("pdserve_kv_checksum_failures_total") == 1
+    assert kv_sources(d)["pull"] == 0
     for s in (p, d):
         assert wait_until(lambda s=s: s.metric("pdserve_kv_blocks_used") == 0), s.url

@@ -7,7 +7,7 @@ import httpx
 import pytest
 import torch
 
-from tests.servers import wait_until
+from tests.servers import kv_sources, wait_until
 from tests.tiny_models import VOCAB
 
 LENGTHS = [3, 9, 15, 16, 17, 24, 31, 33, 40, 47, 50, 63, 64, 65, 80, 97, 120, 130, 150, 170]
@@ -61,6 +61,7 @@ def prefill(p, body: dict) -> dict:
 def test_pull_equals_colocated(pd, mode):
     p, d = pd
     sampling = dict(temperature=0) if mode == "greedy" else dict(temperature=0.9, seed=7)
+    before = kv_sources(d)
     for i, prompt in enumerate(prompts()):
         body = dict(
             prompt=prompt, max_tokens=12, ignore_eos=True, return_token_ids=True, **sampling
@@ -73,7 +74,9 @@ def test_pull_equals_colocated(pd, mode):
         assert pulled["token_ids"] == colocated, f"prompt of {len(prompt)} tokens"
     assert wait_until(lambda: p.metric("pdserve_kv_blocks_used") == 0)
     assert wait_until(lambda: d.metric("pdserve_kv_blocks_used") == 0)
-    assert d.metric("pdserve_kv_transfers_total") > 0
+    after = kv_sources(d)  # every answer came from the transferred KV, none was recomputed
+    assert after["pull"] - before["pull"] == len(prompts())
+    assert after["recomputed"] == before["recomputed"]
 
 
 def test_release_route_and_lease_expiry(start_server, model):
@@ -146,6 +149,7 @@ def test_prefill_killed_before_read(start_server, model, policy):
     )
     if policy == "recompute":
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == colocated
+        assert d.metric('pdserve_kv_recomputed_total{reason="read_failed"}') == 1
     else:
         assert r.status_code == 500 and "did not arrive" in r.json()["error"]["message"]
     assert wait_until(lambda: d.metric("pdserve_kv_blocks_used") == 0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.servers import wait_until
+from tests.servers import kv_sources, wait_until
 from tests.test_pd_pull import complete, prompts
 
 
@@ -34,6 +34,7 @@ def reserve(d, num_tokens: int) -> dict:
 def test_push_equals_colocated(pd, mode):
     p, d = pd
     sampling = dict(temperature=0) if mode == "greedy" else dict(temperature=0.9, seed=11)
+    before = kv_sources(d)
     for prompt in prompts():
         body = dict(
             prompt=prompt, max_tokens=10, ignore_eos=True, return_token_ids=True, **sampling
@@ -54,6 +55,9 @@ def test_push_equals_colocated(pd, mode):
         assert pushed["token_ids"] == colocated, f"prompt of {len(prompt)} tokens"
     assert wait_until(lambda: p.metric("pdserve_kv_blocks_used") == 0)
     assert wait_until(lambda: d.metric("pdserve_kv_blocks_used") == 0)
+    after = kv_sources(d)  # every answer came from the pushed KV, none was recomputed
+    assert after["push"] - before["push"] == len(prompts())
+    assert after["recomputed"] == before["recomputed"]
 
 
 def test_unclaimed_reservation_expires_and_release_route(pd):
@@ -88,6 +92,9 @@ def test_push_that_never_lands_is_recomputed(pd):
         "remote_host": "127.0.0.1",
         "remote_port": 1,
     }
+    recomputed = 'pdserve_kv_recomputed_total{reason="push_incomplete"}'
+    before = d.metric(recomputed)
     out = complete(d.url, {**body, "kv_transfer_params": params})
     assert out["choices"][0]["token_ids"] == colocated
+    assert d.metric(recomputed) == before + 1
     assert wait_until(lambda: d.metric("pdserve_kv_blocks_used") == 0)

@@ -252,5 +252,6 @@ def _unreachable(state: ServerState, remote: RemotePrefill, why: str) -> None:
         remote.first_token_streamed and remote.first_token_id is not None
     ):
         logger.warning("%s: computing the prompt locally", why)
+        state.metrics.recomputed.labels(reason="prefill_unreachable").inc()
         return None
     raise UnavailableError(f"the prompt's KV cannot be loaded: {why}")

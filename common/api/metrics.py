@@ -30,6 +30,25 @@ _LATENCY_BUCKETS = (
 )
 
 
+LOAD_MODES = ("pull", "push")
+RECOMPUTE_REASONS = (
+    "read_failed",
+    "lease_expired",
+    "checksum_mismatch",
+    "push_incomplete",
+    "prefill_unreachable",
+)
+
+
+def _catch_up(counter: Counter, label: str, totals: dict[str, int]) -> None:
+    """Bring a labelled counter up to the engine's running totals."""
+    for value, total in totals.items():
+        child = counter.labels(**{label: value})
+        delta = total - child._value.get()
+        if delta > 0:
+            child.inc(delta)
+
+
 class ServerMetrics:
     def __init__(self, role: str):
         self.registry = r = CollectorRegistry()
@@ -92,13 +111,43 @@ class ServerMetrics:
                 ("kv_push_bytes", "Bytes of KV pushed (WRITE) to decode workers"),
                 ("kv_push_seconds", "Seconds from a step's first KV WRITE to its last landing"),
                 ("kv_push_exposed_seconds", "Of kv_push_seconds, the part after the forward"),
-                ("kv_push_failures", "KV WRITEs that failed or timed out"),
+                (
+                    "kv_push_failures",
+                    "Pushes that failed: P, requests with a failed KV WRITE; D, reservations"
+                    " given up or expired before every chunk landed",
+                ),
                 ("kv_checksum_failures", "KV loads whose checksum did not match P's"),
             )
         }
         self.blocks_held = Gauge(
             "pdserve_kv_blocks_held", "Blocks a prefill worker holds for remote readers", registry=r
         )
+        self.blocks_in_transfer = Gauge(
+            "pdserve_kv_blocks_in_transfer",
+            "KV blocks a NIXL transfer still reads or writes (held until it settles)",
+            registry=r,
+        )
+        self.blocks_quarantined = Gauge(
+            "pdserve_kv_blocks_quarantined",
+            "KV blocks given up by their request but held until transfers into them settle",
+            registry=r,
+        )
+        self.loaded_requests = Counter(
+            "pdserve_kv_loaded_requests",
+            "Remote-prefill requests decoded from transferred KV, by mode",
+            ["mode"],
+            registry=r,
+        )
+        self.recomputed = Counter(
+            "pdserve_kv_recomputed",
+            "Remote-prefill requests whose prompt was computed here instead, by reason",
+            ["reason"],
+            registry=r,
+        )
+        for mode in LOAD_MODES:
+            self.loaded_requests.labels(mode=mode)
+        for reason in RECOMPUTE_REASONS:
+            self.recomputed.labels(reason=reason)
         self.info = Gauge("pdserve_info", "Server role", ["role"], registry=r)
         self.info.labels(**labels).set(1)
         self.role = role
@@ -116,6 +165,10 @@ class ServerMetrics:
             self.hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0)
             self.preemptions.set(stats.num_preemptions)
             self.blocks_held.set(stats.kv_blocks_held)
+            self.blocks_in_transfer.set(stats.kv_blocks_in_transfer)
+            self.blocks_quarantined.set(stats.kv_blocks_quarantined)
+            _catch_up(self.loaded_requests, "mode", stats.kv_loaded_requests)
+            _catch_up(self.recomputed, "reason", stats.kv_recomputed)
             for name, counter in self.transfer_counters.items():
                 delta = getattr(stats, name) - counter._value.get()
                 if delta > 0:

@@ -22,7 +22,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.engine.engine import LLMEngine
 from common.engine.output import RequestOutput
@@ -56,6 +56,10 @@ class EngineStats:
     kv_push_failures: int = 0
     kv_checksum_failures: int = 0
     kv_blocks_held: int = 0
+    kv_blocks_in_transfer: int = 0
+    kv_blocks_quarantined: int = 0
+    kv_loaded_requests: dict[str, int] = field(default_factory=dict)  # by mode
+    kv_recomputed: dict[str, int] = field(default_factory=dict)  # by reason
 
 
 class AsyncEngine:
@@ -221,6 +225,9 @@ class AsyncEngine:
         connector = self.engine.connector
         transfer = getattr(connector, "stats", None)
         leases = getattr(connector, "leases", None)
+        holds = getattr(connector, "holds", None)
+        reservations = getattr(connector, "reservations", None)
+        push_incomplete = reservations.num_incomplete if reservations is not None else 0
         self.stats = EngineStats(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
@@ -238,9 +245,13 @@ class AsyncEngine:
             kv_push_bytes=transfer.bytes_pushed if transfer else 0,
             kv_push_seconds=transfer.seconds_pushing if transfer else 0.0,
             kv_push_exposed_seconds=transfer.seconds_push_exposed if transfer else 0.0,
-            kv_push_failures=transfer.num_push_failures if transfer else 0,
+            kv_push_failures=(transfer.num_push_failures if transfer else 0) + push_incomplete,
             kv_checksum_failures=transfer.num_checksum_failures if transfer else 0,
             kv_blocks_held=leases.num_blocks_held if leases is not None else 0,
+            kv_blocks_in_transfer=holds.num_blocks_held if holds is not None else 0,
+            kv_blocks_quarantined=holds.num_quarantined if holds is not None else 0,
+            kv_loaded_requests=dict(transfer.loaded_requests) if transfer else {},
+            kv_recomputed=dict(transfer.recomputed) if transfer else {},
         )
 
 

@@ -29,7 +29,7 @@ from common.kv_cache.block_pool import BlockPool
 from common.kv_cache.manager import KVCacheManager
 from common.kv_cache.tensors import allocate_kv_caches, num_blocks_for_memory
 from common.kv_transfer import create_connector
-from common.kv_transfer.base import KVConnector
+from common.kv_transfer.base import KVConnector, KVLoss
 from common.kv_transfer.params import RemotePrefill, wants_remote_prefill
 from common.model.hf_config import load_arch_config
 from common.model.loader import load_model
@@ -83,6 +83,7 @@ class LLMEngine:
         )
         self._ready: list[Request] = []  # finished outside a step, reported by the next one
         self._awaiting: list[tuple[Request, float]] = []  # pushed KV still arriving; deadline
+        self._sending: dict[str, Request] = {}  # finished, output held until its push settles
         self.outputs = OutputProcessor(self.tokenizer)
         self._parents: dict[str, _Parent] = {}
         self._held: dict[str, list[Request]] = {}  # first child id → siblings not yet scheduled
@@ -143,6 +144,7 @@ class LLMEngine:
         parent = self._parents.pop(request_id, None)
         for child in parent.children if parent else []:
             self._held.pop(child.request_id, None)
+            self._sending.pop(child.request_id, None)
             if any(req is child for req, _ in self._awaiting):
                 self._awaiting = [(r, d) for r, d in self._awaiting if r is not child]
                 self._give_back_remote(child)
@@ -157,6 +159,18 @@ class LLMEngine:
         if self.connector is not None:
             self.connector.poll()
             self._admit_pushed()
+            self._release_sent()
+
+    def _release_sent(self) -> None:
+        """P: outputs of requests whose pushed KV has settled; an error if a write failed
+        (the proxy then pulls or recomputes: never a reservation with holes in it)."""
+        for request_id, why in self.connector.take_sent().items():
+            req = self._sending.pop(request_id, None)
+            if req is None:
+                continue
+            if why is not None:
+                req.error = f"pushing the prompt's KV to the decode worker failed: {why}"
+            self._ready.append(req)
 
     def _admit_pushed(self) -> None:
         """Schedule requests whose pushed KV has fully landed; past the deadline, recompute or
@@ -171,21 +185,24 @@ class LLMEngine:
                 req.remote_prefill = None
                 if why is not None:  # fail closed: never decode from KV that did not check out
                     self.pool.free(list(reversed(blocks)))
-                    self._on_lost_kv(req, why)
+                    self._on_lost_kv(req, KVLoss("checksum_mismatch", why))
                     continue
                 req.blocks = blocks
                 req.num_computed_tokens = req.num_tokens - 1
+                self.connector.count_loaded("push")
                 self.scheduler.add_request(req)
             elif state == "gone" or time.monotonic() > deadline:
                 self._give_back_remote(req)
-                self._on_lost_kv(req, f"pushed KV did not arrive (reservation {rid} {state})")
+                why = f"pushed KV did not fully arrive (reservation {rid} {state})"
+                self._on_lost_kv(req, KVLoss("push_incomplete", why))
             else:
                 still.append((req, deadline))
         self._awaiting = still
 
-    def _on_lost_kv(self, req: Request, why: str) -> None:
+    def _on_lost_kv(self, req: Request, why: KVLoss) -> None:
         if self.config.transfer.failure_policy == "recompute":
             logger.warning("%s: computing %s locally", why, req.request_id)
+            self.connector.count_recomputed(why.reason)
             self.scheduler.add_request(req)
         else:
             req.error = f"the prompt's KV cache did not arrive from the prefill worker: {why}"
@@ -215,9 +232,18 @@ class LLMEngine:
         meta = self.connector.build_connector_meta(sched.scheduled) if self.connector else None
         sampled = self.runner.execute(sched.scheduled, meta)
         ready += self._drop_failed_loads(sched, sampled)
-        changed = self.scheduler.update(sched, sampled)
+        changed = self._hold_sending(self.scheduler.update(sched, sampled))
         self._release_siblings()
         return self._make_outputs(ready + changed)
+
+    def _hold_sending(self, changed: list[Request]) -> list[Request]:
+        """P: a finished request whose KV is still being pushed answers once it has landed."""
+        if self.connector is None:
+            return changed
+        for req in changed:
+            if req.is_finished and self.connector.is_sending(req.request_id):
+                self._sending[req.request_id] = req
+        return [req for req in changed if req.request_id not in self._sending]
 
     def _drop_failed_loads(self, sched, sampled: dict) -> list[Request]:
         """Requests whose remote KV did not arrive: recomputed locally, or failed, by policy.
@@ -230,6 +256,7 @@ class LLMEngine:
         for req in lost:
             sampled.pop(req.request_id, None)
             if self.config.transfer.failure_policy == "recompute":
+                self.connector.count_recomputed(failed[req.request_id].reason)
                 self.scheduler.recompute(req)
             else:
                 req.error = (

@@ -10,7 +10,6 @@ Worker side (runs inside the model forward, called by `maybe_transfer_kv_layer`)
 - `save_kv_layer(layer_name, kv_cache, attn_metadata)`: start sending this layer's KV (prefill
   side); must not block the forward on the transfer.
 - `wait_for_save()`: after the forward, until every send of this step is under way or done.
-- `get_finished(finished_req_ids)`: request ids whose sends / receives completed.
 
 Scheduler side (the engine calls these between steps, on the same thread):
 - `num_external_tokens(request, num_local_cached)`: how many of the request's tokens come from
@@ -20,7 +19,12 @@ Scheduler side (the engine calls these between steps, on the same thread):
 - `request_finished(request)`: True when the connector keeps the request's blocks (a prefill
   worker holds them for a remote reader) instead of the scheduler freeing them.
 - `take_failed()`: request ids whose KV did not fully arrive (or did not check out) this
-  step, each with why.
+  step, each with a `KVLoss` (reason label and message).
+- `is_sending(request_id)` / `take_sent()`: a finished request whose KV is still being sent
+  (push) keeps its output back until the sends settle; `take_sent()` gives the ids that
+  settled since the last call, each with why it failed (None: every byte landed).
+- `count_loaded(mode)` / `count_recomputed(reason)`: where each remote-prefill request's KV
+  came from, for metrics (`pdserve_kv_loaded_requests_total`, `pdserve_kv_recomputed_total`).
 - `poll()`: between steps: notifications, lease expiry; `has_pending()` asks the engine loop to
   keep calling it while idle.
 """
@@ -28,6 +32,7 @@ Scheduler side (the engine calls these between steps, on the same thread):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +40,17 @@ import torch
 if TYPE_CHECKING:
     from common.attention.context import ForwardContext
     from common.attention.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class KVLoss:
+    """Why a request's remote KV cannot be used: a metric label and a message for the client."""
+
+    reason: str  # read_failed | lease_expired | checksum_mismatch | push_incomplete | ...
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class KVConnector(ABC):
@@ -73,10 +89,6 @@ class KVConnector(ABC):
     @abstractmethod
     def wait_for_save(self) -> None: ...
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """(finished sending, finished receiving) request ids since the last call."""
-        return set(), set()
-
     # -- scheduler side ----------------------------------------------------------------------
     def num_external_tokens(self, request: Any, num_local_cached: int) -> int:
         return 0
@@ -90,8 +102,20 @@ class KVConnector(ABC):
     def request_finished(self, request: Any) -> bool:
         return False
 
-    def take_failed(self) -> dict[str, str]:
+    def take_failed(self) -> dict[str, KVLoss]:
         return {}
+
+    def is_sending(self, request_id: str) -> bool:
+        return False
+
+    def take_sent(self) -> dict[str, str | None]:
+        return {}
+
+    def count_loaded(self, mode: str) -> None:  # noqa: B027
+        """A remote-prefill request decodes from transferred KV (`pull` or `push`)."""
+
+    def count_recomputed(self, reason: str) -> None:  # noqa: B027
+        """A remote-prefill request's prompt is computed locally instead (`KVLoss.reason`)."""
 
     def poll(self) -> None:  # noqa: B027
         """Between steps: handle notifications and expiries."""

@@ -14,25 +14,34 @@ engine drops its token and recomputes it locally or fails it, by policy.
 
 Push (layer-wise): D first reserves blocks (`reserve`); P, given the reservation as `push_to`,
 WRITEs each layer's blocks from `save_kv_layer` — right after that layer's attention, while the
-next layer computes — and the final chunk's writes carry one notification per layer. D admits
-the request once every layer has reported (`reservation_ready`), on the reserved blocks.
+next layer computes. Each prefill step sends one chunk (the blocks that became full, all of them
+in the last step); every chunk's WRITE of every layer carries a notification, and D admits the
+request only once every chunk of every layer has landed (see reservations.py). P's step never
+waits for its writes: the request's output waits (`is_sending`), and P answers with the
+reservation only when every write landed, with an error otherwise.
+
+Fail closed: blocks that a transfer reads or writes stay referenced until the transfer settles
+(`TransferHolds`), so a failed, aborted or finished request never lets a late READ land in, or
+a late WRITE read from, blocks that another request owns by then.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
-from concurrent.futures import Future
+from collections import Counter, defaultdict
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from common.config import TransferConfig
-from common.kv_transfer.base import KVConnector
+from common.kv_cache.block_pool import Block
+from common.kv_transfer.base import KVConnector, KVLoss
 from common.kv_transfer.checksum import mismatch, request_checksums
+from common.kv_transfer.holds import TransferGroup, TransferHolds
 from common.kv_transfer.leases import LeaseTable, local_deadline, wall_deadline
 from common.kv_transfer.params import PushTarget, RemotePrefill, push_target, wants_remote_decode
-from common.kv_transfer.reservations import PUSHED, Reservation, ReservationTable
+from common.kv_transfer.reservations import PUSHED, Reservation, ReservationTable, push_notif
 
 logger = logging.getLogger(__name__)
 
@@ -43,20 +52,43 @@ RELEASE = b"release:"
 class LoadPlan:
     request_id: str
     remote: RemotePrefill
-    local_blocks: list[int]
+    blocks: list[Block]  # local blocks the reads land in
     remote_blocks: list[int]
-    first_block: int = 0  # index in the request of local_blocks[0] (blocks before: local hits)
+    first_block: int = 0  # index in the request of blocks[0] (blocks before: local hits)
     failed: bool = False
     started_at: float = 0.0
+    group: TransferGroup | None = None
+
+    @property
+    def local_blocks(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
 
 
 @dataclass
 class PushPlan:
     request_id: str
     target: PushTarget
-    local_blocks: list[int]
+    group: TransferGroup  # the local blocks this chunk writes from, held until it settles
     remote_blocks: list[int]
-    is_final: bool  # the prompt completes this step: its writes carry the notifications
+    chunk: int
+    is_final: bool  # the prompt completes this step
+
+    @property
+    def local_blocks(self) -> list[int]:
+        return [b.block_id for b in self.group.blocks]
+
+
+@dataclass
+class _Push:
+    """P: one request's push across its prefill steps."""
+
+    target: PushTarget
+    num_blocks_sent: int = 0  # the request's leading blocks already in a chunk
+    num_chunks: int = 0
+    futures: list[Future] = field(default_factory=list)
+    is_finished: bool = False  # the request is done; its output waits for the writes
+    started_at: float = 0.0
+    finished_at: float = 0.0
 
 
 @dataclass
@@ -74,10 +106,11 @@ class TransferStats:
     descriptors: int = 0
     bytes_pushed: int = 0
     num_checksum_failures: int = 0
-    num_push_failures: int = 0
-    seconds_pushing: float = 0.0  # from a step's first WRITE to its last one landing
-    seconds_push_exposed: float = 0.0  # of that, after the forward ended (not hidden by compute)
-    last_load: dict = field(default_factory=dict)
+    num_push_failures: int = 0  # P: requests some of whose writes failed
+    seconds_pushing: float = 0.0  # per request: from its first WRITE to its last one landing
+    seconds_push_exposed: float = 0.0  # of that, after its prefill ended (not hidden by compute)
+    loaded_requests: Counter = field(default_factory=Counter)  # D: by mode, pull | push
+    recomputed: Counter = field(default_factory=Counter)  # D: by KVLoss.reason
 
 
 class NixlConnector(KVConnector):
@@ -88,16 +121,16 @@ class NixlConnector(KVConnector):
         self.leases = LeaseTable(pool.free, cfg.lease_timeout)
         self.pool = pool
         self.reservations: ReservationTable | None = None  # set once the layers are known
-        self._pushed_upto: dict[str, int] = {}  # P: blocks of each push request written so far
-        self._writes: list[tuple[PushPlan, Future]] = []
-        self._push_started = 0.0
+        self.holds = TransferHolds(pool)
+        self._pushes: dict[str, _Push] = {}  # P: request id → its push
+        self._sent: dict[str, str | None] = {}  # P: pushes settled, not yet taken; why failed
         self.transport = None
         self.kv_caches: list = []
         self.layer_index: dict[str, int] = {}
         self.stats = TransferStats()
         self._plans: dict[str, LoadPlan] = {}
         self._futures: dict[int, list[tuple[LoadPlan, Future]]] = defaultdict(list)
-        self._failed: dict[str, str] = {}  # request id → why its load failed
+        self._failed: dict[str, KVLoss] = {}  # request id → why its load failed
 
     # -- set-up and peers -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict) -> None:
@@ -122,14 +155,17 @@ class NixlConnector(KVConnector):
 
     # -- P: hold blocks for the reader ------------------------------------------------------------
     def request_finished(self, request: Any) -> bool:
+        push = self._pushes.get(request.request_id)
         if not wants_remote_decode(request.kv_transfer_params) or not request.output_token_ids:
+            self._pushes.pop(request.request_id, None)  # its writes settle under the holds
             return False
-        self._pushed_upto.pop(request.request_id, None)
         target = push_target(request.kv_transfer_params)
         checksums = (
             request_checksums(self.kv_caches, request.block_ids) if self.cfg.kv_checksum else None
         )
-        if target is not None:  # pushed already: nothing to hold
+        if target is not None:  # pushed: nothing to hold once the writes settle
+            if push is not None:
+                push.is_finished, push.finished_at = True, time.perf_counter()
             request.kv_transfer_params_out = RemotePrefill(
                 remote_engine_id=self.cfg.engine_id,
                 remote_block_ids=[],
@@ -167,14 +203,27 @@ class NixlConnector(KVConnector):
             if msg.startswith(RELEASE):
                 self.leases.release(msg[len(RELEASE) :].decode())
             elif msg.startswith(PUSHED):
-                self.reservations.on_notification(msg)
+                self._on_pushed(msg)
+        self.holds.settle()
+        self._settle_pushes()
         for request_id in self.leases.expire():
             logger.warning("lease of %s expired: its blocks are freed", request_id)
         for reservation_id in self.reservations.expire() if self.reservations else []:
             logger.warning("reservation %s expired: its blocks are freed", reservation_id)
 
     def has_pending(self) -> bool:
-        return len(self.leases) > 0 or bool(self.reservations and len(self.reservations))
+        return (
+            len(self.leases) > 0
+            or bool(self.reservations and len(self.reservations))
+            or len(self.holds) > 0
+            or bool(self._pushes)
+        )
+
+    def _on_pushed(self, msg: bytes) -> None:
+        try:
+            self.reservations.on_notification(msg)
+        except ValueError as e:  # a peer of another protocol version: never counts as landed
+            logger.warning("ignoring a push notification: %s", e)
 
     # -- D: reservations for pushes ---------------------------------------------------------------
     def reserve(self, num_tokens: int) -> Reservation:
@@ -207,7 +256,7 @@ class NixlConnector(KVConnector):
         self._plans[request.request_id] = LoadPlan(
             request.request_id,
             remote,
-            request.block_ids[first:last],
+            request.blocks[first:last],
             remote.remote_block_ids[first:last],
             first_block=first,
         )
@@ -225,28 +274,37 @@ class NixlConnector(KVConnector):
         return StepMeta(loads, pushes) if loads or pushes else None
 
     def _push_plan(self, req: Any, num_new: int) -> PushPlan | None:
-        """P: the blocks this step fills (from block 0 on the first step, cached ones too)."""
+        """P: this step's chunk: the blocks that became full (from block 0 on the first step,
+        cached ones too), and in the last step every block left. Each block is written once."""
         target = push_target(req.kv_transfer_params)
         if target is None or req.num_output_tokens > 0:
             return None
+        push = self._pushes.setdefault(req.request_id, _Push(target))
         end = req.num_computed_tokens + num_new
-        first = self._pushed_upto.get(req.request_id, 0)
-        last = -(-end // self.block_size)
-        self._pushed_upto[req.request_id] = end // self.block_size
-        return PushPlan(
+        is_final = end == req.num_tokens
+        first = push.num_blocks_sent
+        last = -(-end // self.block_size) if is_final else end // self.block_size
+        if first >= last and not is_final:
+            return None
+        push.num_blocks_sent = max(first, last)
+        plan = PushPlan(
             req.request_id,
             target,
-            req.block_ids[first:last],
+            self.holds.hold(req.blocks[first:last]),
             target.block_ids[first:last],
-            is_final=end == req.num_tokens,
+            chunk=push.num_chunks,
+            is_final=is_final,
         )
+        push.num_chunks += 1
+        return plan
 
     def start_load_kv(self, ctx) -> None:
         deadline = time.monotonic() + self.cfg.load_timeout
         for plan in self.connector_metadata.loads:
             plan.started_at = time.perf_counter()
-            if not plan.local_blocks:  # a full local prefix hit: nothing to read
+            if not plan.blocks:  # a full local prefix hit: nothing to read
                 continue
+            plan.group = self.holds.hold(plan.blocks)
             for layer in range(len(self.layer_index)):
                 future = _submit(
                     self.transport.read_layer,
@@ -256,6 +314,7 @@ class NixlConnector(KVConnector):
                     plan.remote_blocks,
                     deadline=_fenced(deadline, plan.remote.read_by),
                 )
+                plan.group.futures.append(future)
                 self._futures[layer].append((plan, future))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -266,13 +325,14 @@ class NixlConnector(KVConnector):
             try:
                 result = future.result()
             except Exception as e:  # noqa: BLE001 — any failed read fails the request
-                self._fail_load(plan, f"KV read failed: {e!r}")
+                self._fail_load(plan, "read_failed", f"KV read failed: {e!r}")
                 continue
             self.stats.bytes_loaded += result.num_bytes
             self.stats.descriptors += result.num_descriptors
             if plan.remote.read_by is not None and time.time() > plan.remote.read_by:
                 # P may have freed and reused the blocks while this read was in flight
-                self._fail_load(plan, "the prefill worker's lease ran out before the KV landed")
+                why = "the prefill worker's lease ran out before the KV landed"
+                self._fail_load(plan, "lease_expired", why)
                 continue
             expected = plan.remote.kv_checksums
             if expected is not None:
@@ -281,12 +341,16 @@ class NixlConnector(KVConnector):
                 why = mismatch(self.kv_caches[layer], plan.local_blocks, want, layer)
                 if why is not None:
                     self.stats.num_checksum_failures += 1
-                    self._fail_load(plan, why)
+                    self._fail_load(plan, "checksum_mismatch", why)
 
-    def _fail_load(self, plan: LoadPlan, why: str) -> None:
+    def _fail_load(self, plan: LoadPlan, reason: str, why: str) -> None:
+        """Fail the request's load; reads of it not started yet are cancelled, the rest settle
+        into its blocks, which stay held (quarantined once the engine lets them go)."""
         logger.warning("KV load for %s failed: %s", plan.request_id, why)
         plan.failed = True
-        self._failed[plan.request_id] = why
+        self._failed[plan.request_id] = KVLoss(reason, why)
+        for future in plan.group.futures:
+            future.cancel()
 
     def verify_pushed(self, remote: RemotePrefill, block_ids: list[int]) -> str | None:
         """D, push mode: why the pushed blocks differ from P's checksums, or None."""
@@ -298,50 +362,78 @@ class NixlConnector(KVConnector):
         return None
 
     def save_kv_layer(self, layer_name, kv_cache, attn_metadata) -> None:
-        """P, push mode: WRITE this layer's blocks on the transfer thread; return at once."""
+        """P, push mode: WRITE this layer's chunk on the transfer thread; return at once."""
+        pushes = self.connector_metadata.pushes
+        if not pushes:
+            return
         layer = self.layer_index[layer_name]
         deadline = time.monotonic() + self.cfg.load_timeout
-        if not self._writes:
-            self._push_started = time.perf_counter()
-        for plan in self.connector_metadata.pushes:
-            notif = (
-                PUSHED + f"{plan.target.reservation_id}:{layer}".encode() if plan.is_final else b""
-            )
+        ready = _kv_written_event(kv_cache)
+        for plan in pushes:
+            push = self._pushes[plan.request_id]
+            push.started_at = push.started_at or time.perf_counter()
             future = _submit(
                 self.transport.write_layer,
                 plan.target.engine_id,
                 layer,
                 plan.local_blocks,
                 plan.remote_blocks,
-                notif=notif,
+                notif=push_notif(plan.target.reservation_id, layer, plan.chunk, plan.is_final),
                 deadline=_fenced(deadline, plan.target.write_by),
+                ready=ready,
             )
-            self._writes.append((plan, future))
+            plan.group.futures.append(future)
+            push.futures.append(future)
 
     def wait_for_save(self) -> None:
-        exposed_from = time.perf_counter()
-        for plan, future in self._writes:  # this step's writes land before the next step's
-            try:
-                result = future.result()
-                self.stats.bytes_pushed += result.num_bytes
-            except Exception as e:  # noqa: BLE001 — D's reservation times out; policy there
-                logger.warning("KV push for %s failed: %r", plan.request_id, e)
-                self.stats.num_push_failures += 1
-        if self._writes:
-            done = time.perf_counter()
-            self.stats.seconds_pushing += done - self._push_started
-            self.stats.seconds_push_exposed += done - exposed_from
-        self._writes.clear()
+        """Loads are done (the forward waited for each layer); pushes go on without us."""
         for plan in self.connector_metadata.loads:
             self.stats.num_loads += 1
             self.stats.num_failed += plan.failed
             self.stats.seconds_loading += time.perf_counter() - plan.started_at
+            if not plan.failed:
+                self.stats.loaded_requests["pull"] += 1
             self._notify_release(plan.remote)
         self._futures.clear()
 
-    def take_failed(self) -> dict[str, str]:
+    def take_failed(self) -> dict[str, KVLoss]:
         failed, self._failed = self._failed, {}
         return failed
+
+    # -- P: pushes settle in the background ---------------------------------------------------
+    def is_sending(self, request_id: str) -> bool:
+        return request_id in self._pushes or request_id in self._sent
+
+    def take_sent(self) -> dict[str, str | None]:
+        sent, self._sent = self._sent, {}
+        return sent
+
+    def _settle_pushes(self) -> None:
+        """Finished requests whose writes are all done: their outcome, for the engine."""
+        for request_id, push in list(self._pushes.items()):
+            if not push.is_finished or not all(f.done() for f in push.futures):
+                continue
+            del self._pushes[request_id]
+            errors = [e for f in push.futures if (e := _error(f)) is not None]
+            self.stats.bytes_pushed += sum(
+                f.result().num_bytes for f in push.futures if _error(f) is None
+            )
+            done = time.perf_counter()
+            self.stats.seconds_pushing += done - (push.started_at or done)
+            self.stats.seconds_push_exposed += done - push.finished_at
+            why = None
+            if errors:
+                self.stats.num_push_failures += 1
+                why = f"{len(errors)} of {len(push.futures)} KV writes failed: {errors[0]!r}"
+                logger.warning("KV push for %s failed: %s", request_id, why)
+            self._sent[request_id] = why
+
+    # -- D: accounting ---------------------------------------------------------------------------
+    def count_loaded(self, mode: str) -> None:
+        self.stats.loaded_requests[mode] += 1
+
+    def count_recomputed(self, reason: str) -> None:
+        self.stats.recomputed[reason] += 1
 
     def notify_release(self, remote: RemotePrefill) -> None:
         """Tell P it may free a request's blocks (also for requests D will not read)."""
@@ -366,6 +458,25 @@ def _fenced(deadline: float, peer_deadline: float | None) -> float:
     """The earlier of a local deadline and a peer's wall-clock one (its lease or reservation):
     a transfer never runs past the time the peer may reuse the blocks."""
     return deadline if peer_deadline is None else min(deadline, local_deadline(peer_deadline))
+
+
+def _error(future: Future) -> BaseException | None:
+    """A done Future's exception (a cancelled one's too), or None."""
+    if future.cancelled():
+        return CancelledError()
+    return future.exception()
+
+
+def _kv_written_event(kv_cache):
+    """On CUDA, an event after the kernels that wrote this layer's KV: the transfer thread
+    waits for it before a WRITE reads the blocks. None on CPU (writes are synchronous)."""
+    if not kv_cache.is_cuda:
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _submit(transfer, *args, **kwargs) -> Future:

@@ -1,3 +1,3 @@
 """Chaos tests: scripted faults (kill -9, SIGSTOP/SIGCONT, restarts, expired leases) on real
-worker processes and a real proxy. Fast cases run with the suite; `chaos_long` ones only with
-`PDSERVE_CHAOS_LONG=1` (`make chaos`)."""
+worker processes and a real proxy. All of them run with the suite (`make chaos` runs just
+these); the `chaos_long` ones take about two minutes."""

@@ -1,7 +1,7 @@
-"""Long chaos (PDSERVE_CHAOS_LONG=1, `make chaos`): scripted faults while clients keep sending
-requests, in pull and push modes; a P frozen past the proxy's prefill timeout (pull), killed or
-frozen mid-push (chunked prefill). Every request ends clearly, the proxy follows, both pools
-end free."""
+"""Long chaos (marker `chaos_long`; in the suite and in CI): scripted faults while clients keep
+sending requests, in pull and push modes; a P frozen past the proxy's prefill timeout (pull),
+killed or frozen mid-push (chunked prefill). Every request ends clearly, the proxy follows,
+both pools end free."""
 
 from __future__ import annotations
 
