@@ -2,6 +2,7 @@
 
 Needs CUDA (sm80+) and vllm-flash-attn or vLLM; not collected by pytest. From the repo root:
     python tests/gpu/check_flash_backend.py
+(`python -m tests.gpu.check` runs it too, as its "flash" part.)
 Each case runs one mixed batch (decodes, prefill chunks with and without a cached prefix) through
 both backends on identical inputs and separate cache copies, and compares the outputs with each
 other and with the torch backend in float32, and the caches they wrote. Then it times both on a
@@ -120,9 +121,10 @@ def check_case(flash, dtype, block_size, sliding_window, heads) -> tuple[str, bo
     return row, ok
 
 
-def check_all(flash) -> bool:
+def check_all(flash) -> list[dict]:
+    """Print a table of every case; one dict per case (name, row, ok)."""
     print(f"{'case':<36} {'flash-torch':>11} {'flash-fp32':>11} {'torch-fp32':>11}  kv    result")
-    all_ok = True
+    cases = []
     for dtype in (torch.bfloat16, torch.float16):
         for block_size in (16, 32):
             for sliding_window in (None, 48):
@@ -135,9 +137,9 @@ def check_all(flash) -> bool:
                         row, ok = check_case(flash, dtype, block_size, sliding_window, heads)
                     except Exception as e:  # noqa: BLE001 — report every case, then fail
                         row, ok = f"error: {type(e).__name__}: {e}", False
-                    all_ok &= ok
+                    cases.append({"case": name, "row": row, "ok": ok})
                     print(f"{name:<36} {row}  {'PASS' if ok else 'FAIL'}")
-    return all_ok
+    return cases
 
 
 def time_ms(backend, x: Inputs, iters: int = 20) -> float:
@@ -153,14 +155,17 @@ def time_ms(backend, x: Inputs, iters: int = 20) -> float:
     return start.elapsed_time(end) / iters
 
 
-def time_decode(flash) -> None:
+def time_decode(flash) -> dict[str, float]:
+    """Milliseconds per layer call of each backend on a large decode batch."""
     heads = (32, 8, 128)  # a Llama-3-8B layer
     x = build_inputs([(2047, 1)] * 64, 16, heads, torch.bfloat16, DEVICE)
     kv_bytes = 2 * 64 * 2048 * heads[1] * heads[2] * 2
     print(f"\ndecode 64 x 2048 context, heads {heads}, bf16, block 16 (per layer call):")
+    timings = {}
     for backend in (flash, TorchPagedBackend()):
-        ms = time_ms(backend, x)
+        ms = timings[backend.name] = time_ms(backend, x)
         print(f"  {backend.name:<32} {ms:8.3f} ms  {kv_bytes / ms / 1e6:8.1f} GB/s of KV read")
+    return timings
 
 
 def main() -> int:
@@ -174,7 +179,7 @@ def main() -> int:
     torch.manual_seed(0)
     flash = FlashAttentionBackend()
     print(f"{flash.name} on {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
-    ok = check_all(flash)
+    ok = all(case["ok"] for case in check_all(flash))
     time_decode(flash)
     print("\nPASS" if ok else "\nFAIL")
     return 0 if ok else 1

@@ -1,0 +1,62 @@
+"""Decode tokens/s of the default model (SmolLM2-135M) through `LLM`, eager, no threshold.
+
+Per batch size: `batch` random prompts of `prompt_len` tokens, greedy, EOS ignored, timed once
+with max_tokens=1 (prefill + first token) and once with `new_tokens`; decode tokens/s is
+batch * (new_tokens - 1) / (difference of the two). Prefix caching is off so that the second
+run recomputes its prompts as the first did.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from common.engine.llm import LLM
+from common.engine.sampling_params import SamplingParams
+
+
+def measure(
+    device: str,
+    batch_sizes=(1, 32),
+    prompt_len: int = 128,
+    new_tokens: int = 128,
+    model: str | None = None,  # None: the default model
+) -> dict:
+    llm = LLM(model, device=device, dtype="bfloat16", enable_prefix_caching=False)
+    vocab = llm.engine.arch.vocab_size
+    g = torch.Generator().manual_seed(0)
+
+    def prompts(n: int) -> list[list[int]]:
+        return [
+            torch.randint(20, vocab - 20, (prompt_len,), generator=g).tolist() for _ in range(n)
+        ]
+
+    timed(llm, prompts(4), 16)  # warm-up: kernels, allocator
+    rows = []
+    for batch in batch_sizes:
+        first = timed(llm, prompts(batch), 1)
+        total = timed(llm, prompts(batch), new_tokens)
+        rows.append(
+            {
+                "batch": batch,
+                "prompt_tokens": prompt_len,
+                "new_tokens": new_tokens,
+                "decode_tok_s": round(batch * (new_tokens - 1) / (total - first), 1),
+                "end_to_end_tok_s": round(batch * new_tokens / total, 1),
+                "seconds": round(total, 3),
+            }
+        )
+    backend = next(iter(llm.engine.model.attention_layers().values())).backend.name
+    return {"status": "measured", "mode": "eager", "backend": backend, "rows": rows}
+
+
+def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs), "short output"
+    return seconds
