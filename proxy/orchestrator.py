@@ -42,6 +42,7 @@ class Prefilled:
     answer: dict  # P's response: the first token
     params: dict  # P's kv_transfer_params, for D
     push_to: dict | None = None  # push: the reservation on D
+    reserved_on: Worker | None = None  # push: the D that holds the reservation
 
     @property
     def has_first_token(self) -> bool:
@@ -142,7 +143,7 @@ class Orchestrator:
             if not isinstance(params, dict):
                 logger.warning("prefill worker %s returned no kv_transfer_params", worker.url)
                 return None
-            return Prefilled(worker, answer, params, push_to)
+            return Prefilled(worker, answer, params, push_to, decode if push_to else None)
         return None
 
     async def _reserve(self, req: ProxyRequest, decode: Worker) -> dict | None:
@@ -213,8 +214,10 @@ class Orchestrator:
                 return await open_stream(
                     decode, req.path, content, headers, timeout or self._stream_timeout
                 ), decode
-            except UpstreamError as e:
+            except BaseException as e:  # the client leaving (cancelled) included
                 decode.num_outstanding -= 1
+                if not isinstance(e, UpstreamError):
+                    raise
                 self._failed(e)
                 others = self.pools["decode"].routable(exclude=tried)
                 retry = e.is_connect and can_switch and len(tried) <= self.cfg.max_retries
@@ -292,8 +295,11 @@ class Orchestrator:
         """Free what a request that will not be decoded holds on P (pull) or D (push)."""
         if prefilled is None:
             return
-        rid = prefilled.params.get("remote_request_id")
-        if prefilled.push_to is None and rid:
+        if prefilled.push_to is not None:
+            assert prefilled.reserved_on is not None, "a push reservation names its D"
+            reservation = {"reservation_id": prefilled.push_to["reservation_id"]}
+            self._release(prefilled.reserved_on, reservation)
+        elif rid := prefilled.params.get("remote_request_id"):
             self._release(prefilled.worker, {"request_id": rid})
 
     def _release(self, worker: Worker, payload: dict) -> None:

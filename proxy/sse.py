@@ -71,9 +71,9 @@ def is_role_chunk(raw_event: bytes) -> bool:
 
 
 class EventStreamResponse(Response):
-    """Sends an async generator's chunks as they come. A client that goes away cancels the
-    generator at once (its `finally` closes the upstream stream), with one watcher task per
-    stream instead of Starlette's task group."""
+    """Sends an async generator's chunks as they come, the headers with the first. A client
+    that goes away cancels the generator at once (its `finally` closes the upstream stream),
+    with one watcher task per stream instead of Starlette's task group."""
 
     def __init__(self, chunks: AsyncGenerator[bytes, None]):
         self.chunks = chunks
@@ -93,10 +93,15 @@ class EventStreamResponse(Response):
         watcher = asyncio.create_task(_until_disconnect(receive))
         watcher.add_done_callback(on_disconnect)
         try:
+            # NOTE: the generator starts before the first await a leaving client can interrupt
+            # (a server's send may wait to drain): a generator that never started would never
+            # run its `finally`, which frees what the request holds upstream
+            chunk = await anext(self.chunks, None)
             start = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
             await send(start)
-            async for chunk in self.chunks:
+            while chunk is not None:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                chunk = await anext(self.chunks, None)
             await send({"type": "http.response.body", "body": b""})
         except asyncio.CancelledError:
             if not watcher.done() or watcher.cancelled():

@@ -178,7 +178,7 @@ def test_last_seed_with_siblings(url):
 def test_pools_free_and_both_paths_serve_afterwards(workers, proxy):
     for worker in workers:
         assert wait_until(lambda w=worker: w.metric("pdserve_kv_blocks_used") == 0), worker.url
-        assert worker.metric("pdserve_num_requests_running") == 0
+        assert wait_until(lambda w=worker: w.metric("pdserve_num_requests_running") == 0)
     for base in (proxy.url, *(w.url for w in workers)):
         r = post(base, CHAT, json.dumps({"messages": HI, "max_tokens": 4}).encode())
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text

@@ -75,8 +75,9 @@ def test_kv_reused_after_lease_expiry_fails_closed(start_server, model, policy):
         assert r.status_code == 200
         expected = complete(d.url, victim)["choices"][0]["token_ids"]
         assert r.json()["choices"][0]["token_ids"] == expected
-        assert d.metric('pdserve_kv_recomputed_total{reason="checksum_mismatch"}') == 1
-    assert d.metric("pdserve_kv_checksum_failures_total") == 1
+        recomputed = 'pdserve_kv_recomputed_total{reason="checksum_mismatch"}'
+        assert wait_until(lambda: d.metric(recomputed) == 1)
+    assert wait_until(lambda: d.metric("pdserve_kv_checksum_failures_total") == 1)
     assert kv_sources(d)["pull"] == 0
     for s in (p, d):
         assert wait_until(lambda s=s: s.metric("pdserve_kv_blocks_used") == 0), s.url

@@ -63,7 +63,7 @@ def test_push_equals_colocated(pd, mode):
 def test_unclaimed_reservation_expires_and_release_route(pd):
     _, d = pd
     target = reserve(d, 40)
-    assert d.metric("pdserve_kv_blocks_used") == 3
+    assert wait_until(lambda: d.metric("pdserve_kv_blocks_used") == 3)
     assert wait_until(lambda: d.metric("pdserve_kv_blocks_used") == 0, timeout=10)
     target = reserve(d, 20)
     r = httpx.post(

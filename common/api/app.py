@@ -114,9 +114,9 @@ def _install_request_ids(app: FastAPI, state: ServerState) -> None:
         request.state.request_id = rid
         response = await call_next(request)
         response.headers["X-Request-Id"] = rid
-        endpoint = request.url.path
-        if endpoint.startswith("/v1/"):
-            state.metrics.count(endpoint, response.status_code)
+        if request.url.path.startswith("/v1/"):  # by route, so unknown paths add no labels
+            route = request.scope.get("route")
+            state.metrics.count(getattr(route, "path", "other"), response.status_code)
         return response
 
 

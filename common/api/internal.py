@@ -101,6 +101,12 @@ def _compat(engine) -> dict:
 
 
 def install_internal_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/internal/kv/peers")
+    async def peers(request: Request):
+        check_internal_token(state, request)
+        _, connector = _connector(state)
+        return {"num_peers": connector.transport.num_peers}
+
     @app.get("/internal/kv/handshake")
     async def handshake(request: Request):
         check_internal_token(state, request)
@@ -217,13 +223,41 @@ def _connector_for_params(state: ServerState):
     return connector
 
 
+class Handshakes:
+    """One handshake in flight per host:port (concurrent first requests share it) and the
+    engine id last met there: a new one retires the old (a restarted peer)."""
+
+    def __init__(self) -> None:
+        self.pending: dict[tuple[str, int], asyncio.Future] = {}
+        self.engine_at: dict[tuple[str, int], str] = {}
+
+
+def _handshakes(state: ServerState) -> Handshakes:
+    if not hasattr(state, "handshakes"):
+        state.handshakes = Handshakes()
+    return state.handshakes
+
+
 async def handshake_with(state: ServerState, engine_id: str, host: str, port: int) -> str | None:
     """Add the peer `engine_id` at host:port unless known; why it failed, or None. A peer whose
     KV is incompatible is a 400 that names what differs."""
+    connector = state.require_ready().engine.connector
+    book, key = _handshakes(state), (host, port)
+    while not connector.has_peer(engine_id):
+        pending = book.pending.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(_handshake(state, engine_id, host, port))
+            book.pending[key] = pending
+            pending.add_done_callback(lambda done: book.pending.pop(key, None))
+        why = await asyncio.shield(pending)
+        if why is not None or book.engine_at.get(key) != engine_id:
+            return why or f"engine {engine_id} is gone ({host}:{port} serves another)"
+    return None
+
+
+async def _handshake(state: ServerState, engine_id: str, host: str, port: int) -> str | None:
     engine = state.require_ready()
     connector = engine.engine.connector
-    if connector.has_peer(engine_id):
-        return None
     url = f"http://{host}:{port}/internal/kv/handshake"
     try:
         async with httpx.AsyncClient(timeout=5.0) as client:
@@ -242,7 +276,13 @@ async def handshake_with(state: ServerState, engine_id: str, host: str, port: in
             param="kv_transfer_params",
         )
     await asyncio.wrap_future(engine.call(connector.add_peer, info.layout, info.metadata_bytes()))
+    state.metrics.handshakes.inc()
     logger.info("handshake with engine %s at %s", info.engine_id, url)
+    book = _handshakes(state)
+    old = book.engine_at.get((host, port))
+    book.engine_at[(host, port)] = engine_id
+    if old not in (None, engine_id):
+        await asyncio.wrap_future(engine.call(connector.transport.retire_peer, old))
     return None
 
 

@@ -151,6 +151,9 @@ class ServerMetrics:
         self.info = Gauge("pdserve_info", "Server role", ["role"], registry=r)
         self.info.labels(**labels).set(1)
         self.role = role
+        self.handshakes = Counter(
+            "pdserve_kv_handshakes", "Handshakes with a new KV peer", registry=r
+        )
 
     def count(self, endpoint: str, status: int) -> None:
         self.requests.labels(role=self.role, endpoint=endpoint, status=str(status)).inc()

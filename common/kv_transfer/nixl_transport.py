@@ -4,7 +4,10 @@ Contract
 - `NixlTransport(engine_id, kv_caches)` registers every layer's paged KV tensor, each contiguous
   with shape (2, num_blocks, block_size, num_kv_heads, head_dim), and prepares one descriptor per
   (layer, K/V, block) at index (layer * 2 + kv) * num_blocks + block.
-- A peer is added from its `KVLayout` and its `metadata()`, both sent over any side channel.
+- A peer is added from its `KVLayout` and its `metadata()`, both sent over any side channel;
+  adding a known one again is a no-op. A retired peer (a restarted worker's old engine id), an
+  idle one (no transfer for `peer_idle_s`) and, past `max_peers`, the least recently used idle
+  one are removed once none of their transfers is in flight, when a peer is added.
 - `read_layer` / `write_layer` move the K and V bytes of the given blocks of one layer and return
   a Future[TransferResult] at once. One transfer thread starts transfers in submission order
   (with UCX's cma transport the copy runs inside `transfer()`, GIL released) and polls every
@@ -77,6 +80,8 @@ class TransferFuture(Future):
 class _Peer:
     layout: KVLayout
     dlist: Any  # prepped remote descriptor list over all of the peer's blocks
+    last_used: float = field(default_factory=time.monotonic)
+    is_retired: bool = False
 
 
 @dataclass
@@ -102,8 +107,15 @@ class _Command:
 
 class NixlTransport:
     def __init__(
-        self, engine_id: str, kv_caches: Sequence[torch.Tensor], progress_delay_us: int = 1000
+        self,
+        engine_id: str,
+        kv_caches: Sequence[torch.Tensor],
+        progress_delay_us: int = 1000,
+        peer_idle_s: float = 300.0,
+        max_peers: int = 64,
     ) -> None:
+        self.peer_idle_s = peer_idle_s
+        self.max_peers = max_peers
         check_kv_caches(kv_caches)
         agent_name = f"{engine_id}-{uuid.uuid4().hex[:8]}"
         self._agent = create_agent(agent_name, progress_delay_us)
@@ -126,7 +138,7 @@ class NixlTransport:
         return self._agent.get_agent_metadata()
 
     def add_peer(self, layout: KVLayout, metadata: bytes) -> None:
-        """Load a peer's agent metadata; a known engine id (a restarted peer) is replaced."""
+        """Load a peer's agent metadata (a no-op for a known one); then sweep stale peers."""
         if (layout.num_layers, layout.block_len) != (self.layout.num_layers, self.layout.block_len):
             raise ValueError(
                 f"peer {layout.engine_id} has {layout.num_layers} layers of {layout.block_len}-byte"
@@ -138,8 +150,18 @@ class NixlTransport:
         """Forget a peer; its in-flight transfers fail with TransferError."""
         self._call(lambda: self._drop_peer(engine_id))
 
+    def retire_peer(self, engine_id: str) -> None:
+        """A peer that will not be used again (its worker restarted): removed once its
+        in-flight transfers have settled."""
+        self._call(lambda: self._retire_peer(engine_id))
+
     def has_peer(self, engine_id: str) -> bool:
-        return engine_id in self._peers
+        peer = self._peers.get(engine_id)
+        return peer is not None and not peer.is_retired
+
+    @property
+    def num_peers(self) -> int:
+        return len(self._peers)
 
     # -- transfers -----------------------------------------------------------------------------
     def read_layer(
@@ -199,6 +221,7 @@ class NixlTransport:
         peer = self._peers.get(engine_id)
         if peer is None:
             raise ValueError(f"unknown peer {engine_id!r}")
+        peer.last_used = time.monotonic()
         return peer
 
     def _submit(self, op, peer, layer, local_blocks, remote_blocks, notif, deadline, ready=None):
@@ -359,6 +382,10 @@ class NixlTransport:
         return job.future._is_settled
 
     def _add_peer(self, layout: KVLayout, metadata: bytes) -> None:
+        known = self._peers.get(layout.engine_id)
+        if known is not None and known.layout.agent_name == layout.agent_name:
+            known.last_used, known.is_retired = time.monotonic(), False
+            return self._sweep_peers()
         self._drop_peer(layout.engine_id)
         name = self._agent.add_remote_agent(metadata)
         name = name.decode() if isinstance(name, bytes) else name
@@ -367,6 +394,28 @@ class NixlTransport:
             raise ValueError(f"metadata is of agent {name!r}, layout of {layout.agent_name!r}")
         dlist = self._agent.prep_xfer_dlist(name, layout.block_descs(), layout.mem_type)
         self._peers[layout.engine_id] = _Peer(layout, dlist)
+        self._sweep_peers()
+
+    def _retire_peer(self, engine_id: str) -> None:
+        if (peer := self._peers.get(engine_id)) is not None:
+            peer.is_retired = True
+        self._sweep_peers()
+
+    def _sweep_peers(self) -> None:
+        """Drop retired and idle peers, then the least recently used idle ones past
+        `max_peers`; a peer with a transfer in flight stays."""
+        busy = {job.peer for job in self._inflight}
+        idle_since = time.monotonic() - self.peer_idle_s
+        by_age = sorted(self._peers.items(), key=lambda item: item[1].last_used)
+        idle = [engine_id for engine_id, peer in by_age if engine_id not in busy]
+        stale = {
+            e for e in idle if self._peers[e].is_retired or self._peers[e].last_used < idle_since
+        }
+        num_over = len(self._peers) - len(stale) - self.max_peers
+        stale.update([e for e in idle if e not in stale][: max(num_over, 0)])
+        for engine_id in stale:
+            logger.info("removing idle or retired NIXL peer %s", engine_id)
+            self._drop_peer(engine_id)
 
     def _drop_peer(self, engine_id: str) -> None:
         peer = self._peers.pop(engine_id, None)
