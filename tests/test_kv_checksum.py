@@ -51,7 +51,7 @@ def test_checked_kv_decodes_as_colocated(start_server, model):
         assert pulled["choices"][0]["token_ids"] == complete(d.url, body)["choices"][0]["token_ids"]
     assert d.metric("pdserve_kv_checksum_failures_total") == 0
     assert d.metric("pdserve_kv_transfers_total") == 6
-    assert kv_sources(d) == {"pull": 6, "push": 0, "recomputed": 0}
+    assert wait_until(lambda: kv_sources(d) == {"pull": 6, "push": 0, "recomputed": 0})
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])

@@ -172,7 +172,7 @@ def test_a_failed_middle_chunk_is_an_error_on_p_and_never_decoded_on_d(chunked_p
     }
     out = complete(d.url, {**body, "kv_transfer_params": params})
     assert out["choices"][0]["token_ids"] == colocated
-    assert d.metric(recomputed) == before + 1
+    assert wait_until(lambda: d.metric(recomputed) == before + 1)
     assert d.metric('pdserve_kv_loaded_requests_total{mode="push"}') == 0
     assert wait_until(lambda: d.metric("pdserve_kv_push_failures_total") >= 1)
     for s in (p, d):

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.servers import wait_until
+from tests.servers import kv_sources, wait_until
 
 TOKEN = "cluster-secret"
 KEY = "sk-test"
@@ -83,6 +83,7 @@ def test_openai_client_through_proxy_equals_colocated(start_proxy, workers, mode
     p, d = workers
     flags = [] if first_from_p else ["--no-first-token-from-prefill"]
     proxy = start_proxy("--mode", mode, *flags)
+    before = kv_sources(d)
     for messages in CHATS:
         colocated = chat_stream(d.url, messages)
         through = chat_stream(proxy.url, messages)
@@ -96,6 +97,9 @@ def test_openai_client_through_proxy_equals_colocated(start_proxy, workers, mode
     assert whole.json()["choices"][0]["token_ids"] == local["choices"][0]["token_ids"]
     routed = f'pdserve_proxy_routed_total{{path="disaggregated",reason="{mode}"}}'
     assert proxy.metric(routed) == len(CHATS) + 1
+    # D decoded every one of them from the transferred KV: none was recomputed
+    assert wait_until(lambda: kv_sources(d)[mode] - before[mode] == len(CHATS) + 1)
+    assert kv_sources(d)["recomputed"] == before["recomputed"]
     if mode == "pull":  # D read the KV; in push mode P wrote it
         assert d.metric("pdserve_kv_transfers_total") > 0
     else:

@@ -404,7 +404,7 @@ class NixlTransport:
     def _sweep_peers(self) -> None:
         """Drop retired and idle peers, then the least recently used idle ones past
         `max_peers`; a peer with a transfer in flight stays."""
-        busy = {job.peer for job in self._inflight}
+        busy = {job.peer for job in self._inflight + self._aborting}  # not settled yet
         idle_since = time.monotonic() - self.peer_idle_s
         by_age = sorted(self._peers.items(), key=lambda item: item[1].last_used)
         idle = [engine_id for engine_id, peer in by_age if engine_id not in busy]
