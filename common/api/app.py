@@ -17,8 +17,10 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -35,12 +37,15 @@ from common.engine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 ENGINE_DEAD_EXIT_CODE = 1  # the process's exit status after its engine thread died
 ENGINE_DEAD_LINGER_S = 1.0  # /health answers 503 this long before the port closes
 
 
 class ServerState:
-    """What the routes share: config, metrics, and the engine once it has loaded."""
+    """What the routes share: config, metrics, the engine once it has loaded, and the small pool
+    that runs blocking work (tokenizing, chat templates, file reads) off the event loop."""
 
     def __init__(self, cfg: ServerConfig, engine_factory: Callable[[], LLMEngine]):
         self.cfg = cfg
@@ -53,6 +58,8 @@ class ServerState:
         self.started_at = int(time.time())
         self.exit_code = 0  # the process's exit status once the server stops
         self.request_exit: Callable[[], None] | None = None  # the server stops, draining
+        # NOTE: not the engine thread, which owns torch; these threads never run a torch op
+        self.tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
 
     @property
     def is_ready(self) -> bool:
@@ -94,6 +101,11 @@ class ServerState:
         if self.request_exit is not None:
             asyncio.get_running_loop().call_later(ENGINE_DEAD_LINGER_S, self.request_exit)
 
+    async def run_blocking(self, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` in the tokenize pool, the event loop free meanwhile; raises what `fn`
+        raises (a request's ValueError or InvalidRequestError stays a 400)."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise NotFoundError(
@@ -114,6 +126,7 @@ def build_app(cfg: ServerConfig, engine_factory: Callable[[], LLMEngine]) -> Fas
         loading.cancel()
         if state.engine is not None:
             await state.engine.stop()
+        state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title=f"pdserve {cfg.role} worker", lifespan=lifespan)
     app.state.server = state
