@@ -87,7 +87,9 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # NOTE: encode_batch releases the GIL (encode holds it): a long prompt tokenized on a
+        # worker thread then leaves the event loop free to answer other requests
+        ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids.insert(0, bos)  # tokenizer_config asks for bos but the post-processor adds none

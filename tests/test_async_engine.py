@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
 from common.config import CacheConfig, EngineConfig, ModelConfig
-from common.engine.async_engine import AsyncEngine
+from common.engine.async_engine import AsyncEngine, EngineDeadError
 from common.engine.engine import LLMEngine
 from common.engine.sampling_params import SamplingParams
 
@@ -39,3 +41,40 @@ def test_cancelled_calls_and_admissions_leave_the_engine_alive(tiny_model):
             await engine.stop()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))  # a dead engine thread would hang here
+
+
+def test_a_dead_engine_thread_fails_every_pending_and_later_call(tiny_model):
+    """A step that raises ends the thread: the request being generated, a call queued while the
+    step ran and any later call or request all fail with EngineDeadError instead of hanging."""
+    model = ModelConfig(str(tiny_model("llama")))
+    cfg = EngineConfig(model=model, cache=CacheConfig(num_blocks=32))
+
+    async def scenario():
+        engine = AsyncEngine(lambda: LLMEngine(cfg))
+        await engine.start()
+        in_step, release = threading.Event(), threading.Event()
+
+        def broken_step():
+            in_step.set()
+            release.wait()
+            raise RuntimeError("injected step failure")
+
+        engine.engine.step = broken_step
+        try:
+            params = SamplingParams(max_tokens=8, ignore_eos=True)
+            running = asyncio.ensure_future(anext(engine.generate("r", [5, 6, 7], params)))
+            await asyncio.to_thread(in_step.wait)
+            queued = engine.call(lambda: 42)  # waits in the queue while the step fails
+            release.set()
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(asyncio.wrap_future(queued), 5)
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(running, 5)
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(asyncio.wrap_future(engine.call(lambda: 1)), 5)
+            assert not engine.is_alive
+        finally:
+            release.set()
+            await engine.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

@@ -3,6 +3,11 @@
 The app listens at once and loads the engine in the background: until it is ready (and again
 while draining) every request but `/metrics` answers 503. Errors of every kind leave in OpenAI's
 shape; request ids from `X-Request-Id` are honoured and echoed.
+
+If the engine thread dies, the worker fails closed: requests (and `/health`) get 503 in
+OpenAI's shape, and `ENGINE_DEAD_LINGER_S` later the server is asked to exit (`request_exit`,
+set by common/api/server.py): it drains in-flight responses and the process exits with status
+`ENGINE_DEAD_EXIT_CODE` (1), so that docker-compose or Kubernetes restarts it.
 """
 
 from __future__ import annotations
@@ -12,8 +17,10 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -23,16 +30,22 @@ from common.api.errors import (
     NotFoundError,
     UnavailableError,
 )
-from common.api.http import install_error_handlers
+from common.api.http import error_response, install_error_handlers
 from common.api.metrics import ServerMetrics
-from common.engine.async_engine import AsyncEngine
+from common.engine.async_engine import AsyncEngine, EngineDeadError
 from common.engine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
+ENGINE_DEAD_EXIT_CODE = 1  # the process's exit status after its engine thread died
+ENGINE_DEAD_LINGER_S = 1.0  # /health answers 503 this long before the port closes
+
 
 class ServerState:
-    """What the routes share: config, metrics, and the engine once it has loaded."""
+    """What the routes share: config, metrics, the engine once it has loaded, and the small pool
+    that runs blocking work (tokenizing, chat templates, file reads) off the event loop."""
 
     def __init__(self, cfg: ServerConfig, engine_factory: Callable[[], LLMEngine]):
         self.cfg = cfg
@@ -43,6 +56,10 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.is_draining = False
         self.started_at = int(time.time())
+        self.exit_code = 0  # the process's exit status once the server stops
+        self.request_exit: Callable[[], None] | None = None  # the server stops, draining
+        # NOTE: not the engine thread, which owns torch; these threads never run a torch op
+        self.tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
 
     @property
     def is_ready(self) -> bool:
@@ -61,7 +78,7 @@ class ServerState:
         return self.engine
 
     async def load(self) -> None:
-        engine = AsyncEngine(self.engine_factory)
+        engine = AsyncEngine(self.engine_factory, on_death=self.engine_died)
         try:
             await engine.start()
         except Exception as e:  # noqa: BLE001 — reported by /health and every request
@@ -72,6 +89,22 @@ class ServerState:
             self.model_name = Path(engine.engine.config.model.model_dir).name
         self.engine = engine
         logger.info("%s worker ready: model %s", self.cfg.role, self.model_name)
+
+    def engine_died(self, error: BaseException) -> None:
+        """On the event loop, once the engine thread has failed: exit non-zero, soon."""
+        self.exit_code = ENGINE_DEAD_EXIT_CODE
+        logger.critical(
+            "the engine died (%r): answering 503, exiting with status %d after draining",
+            error,
+            ENGINE_DEAD_EXIT_CODE,
+        )
+        if self.request_exit is not None:
+            asyncio.get_running_loop().call_later(ENGINE_DEAD_LINGER_S, self.request_exit)
+
+    async def run_blocking(self, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` in the tokenize pool, the event loop free meanwhile; raises what `fn`
+        raises (a request's ValueError or InvalidRequestError stays a 400)."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -93,10 +126,12 @@ def build_app(cfg: ServerConfig, engine_factory: Callable[[], LLMEngine]) -> Fas
         loading.cancel()
         if state.engine is not None:
             await state.engine.stop()
+        state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title=f"pdserve {cfg.role} worker", lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
+    _install_engine_dead_handler(app)
     _install_request_ids(app, state)
     _install_basic_routes(app, state)
     from common.api.internal import install_internal_routes
@@ -105,6 +140,12 @@ def build_app(cfg: ServerConfig, engine_factory: Callable[[], LLMEngine]) -> Fas
     install_openai_routes(app, state)
     install_internal_routes(app, state)
     return app
+
+
+def _install_engine_dead_handler(app: FastAPI) -> None:
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, exc: EngineDeadError):
+        return error_response(UnavailableError(str(exc)))
 
 
 def _install_request_ids(app: FastAPI, state: ServerState) -> None:

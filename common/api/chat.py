@@ -32,6 +32,7 @@ from common.api.serving import (
     sse_error,
     validate_params,
 )
+from common.tokenizer import Tokenizer
 
 
 async def create_chat_completion(
@@ -40,7 +41,7 @@ async def create_chat_completion(
     engine = state.require_ready()
     state.check_model(req.model)
     llm = engine.engine
-    ids = llm.tokenizer.encode(req.render_prompt(llm.tokenizer), add_special_tokens=False)
+    ids = await state.run_blocking(_prompt_ids, llm.tokenizer, req)
     params = req.to_sampling_params(llm.max_model_len - len(ids))
     validate_params(params, llm.arch.vocab_size)
     job = Job(new_request_id(request), ids, params, choice_offset=0)
@@ -56,6 +57,11 @@ async def create_chat_completion(
     if items is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     return JSONResponse(_response(state, req, response_id, job, items))
+
+
+def _prompt_ids(tokenizer: Tokenizer, req: ChatCompletionRequest) -> list[int]:
+    """The rendered chat template's token ids (400 if it cannot render). Blocking."""
+    return tokenizer.encode(req.render_prompt(tokenizer), add_special_tokens=False)
 
 
 def _response(

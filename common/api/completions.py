@@ -35,6 +35,7 @@ from common.api.serving import (
     sse_error,
     validate_params,
 )
+from common.engine.engine import LLMEngine
 
 
 async def create_completion(
@@ -45,8 +46,7 @@ async def create_completion(
     llm = engine.engine
     jobs = []
     for i, prompt in enumerate(req.prompts):
-        ids = llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        check_token_ids(ids, llm.arch.vocab_size, "prompt")
+        ids = await state.run_blocking(_prompt_ids, llm, prompt)
         params = req.to_sampling_params(llm.max_model_len - len(ids))
         validate_params(params, llm.arch.vocab_size)
         jobs.append(Job(new_request_id(request), ids, params, choice_offset=i * req.n))
@@ -66,6 +66,13 @@ async def create_completion(
     if items is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     return JSONResponse(_response(state, req, response_id, jobs, items))
+
+
+def _prompt_ids(llm: LLMEngine, prompt: str | list[int]) -> list[int]:
+    """The prompt's token ids, each in the vocabulary (400 if not). Blocking: tokenizes."""
+    ids = llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    check_token_ids(ids, llm.arch.vocab_size, "prompt")
+    return ids
 
 
 def _response(

@@ -74,6 +74,8 @@ def token_headers(state: ServerState) -> dict[str, str]:
 
 
 def local_handshake(state: ServerState) -> HandshakeInfo:
+    """What a peer needs to move KV with this worker. Blocking (reads the model folder): the
+    route runs it in the tokenize pool."""
     engine = state.require_ready().engine
     connector = engine.connector
     if connector is None or getattr(connector, "transport", None) is None:
@@ -110,7 +112,7 @@ def install_internal_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/internal/kv/handshake")
     async def handshake(request: Request):
         check_internal_token(state, request)
-        return local_handshake(state).model_dump()
+        return (await state.run_blocking(local_handshake, state)).model_dump()
 
     @app.post("/internal/kv/release", openapi_extra=json_body_openapi(ReleaseRequest))
     async def release(request: Request):
@@ -130,7 +132,7 @@ def install_internal_routes(app: FastAPI, state: ServerState) -> None:
         check_internal_token(state, request)
         body = _parse(ReserveRequest, await read_json_body(request, state.cfg.max_body_bytes))
         engine, connector = _connector(state)
-        num_tokens = _num_prompt_tokens(engine.engine, body)
+        num_tokens = await state.run_blocking(_num_prompt_tokens, engine.engine, body)
         if num_tokens >= engine.engine.max_model_len:  # never admitted: no use holding blocks
             raise InvalidRequestError(
                 f"a prompt of {num_tokens} tokens leaves no room in max_model_len "
@@ -155,6 +157,8 @@ def install_internal_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _num_prompt_tokens(llm, body: ReserveRequest) -> int:
+    """The prompt's length in tokens; 400 for a bad body. Blocking (tokenizes, renders chat
+    templates): the route runs it in the tokenize pool."""
     if body.num_tokens is not None:
         return body.num_tokens
     if body.completion is not None:

@@ -1,7 +1,8 @@
 """Run a worker: parse the command line, build the app, serve it with uvicorn.
 
 SIGTERM (or Ctrl-C) drains: new requests get 503, in-flight ones get `--drain-timeout` seconds
-to finish and are then aborted (their blocks freed), and the process exits 0.
+to finish and are then aborted (their blocks freed), and the process exits 0. A worker whose
+engine thread died drains the same way and exits with status 1 (`ENGINE_DEAD_EXIT_CODE`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 
 import uvicorn
 
@@ -42,5 +44,11 @@ def main(role: str, argv: list[str] | None = None) -> None:
             server.force_exit = True
         server.should_exit = True
 
+    def stop() -> None:
+        server.should_exit = True
+
     server.handle_exit = drain
+    app.state.server.request_exit = stop
     server.run()
+    if app.state.server.exit_code:
+        sys.exit(app.state.server.exit_code)

@@ -17,8 +17,14 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from common.api.app import ServerState
-from common.api.errors import APIError, InvalidRequestError, OverloadedError, ServerError
-from common.engine.async_engine import AsyncEngine
+from common.api.errors import (
+    APIError,
+    InvalidRequestError,
+    OverloadedError,
+    ServerError,
+    UnavailableError,
+)
+from common.engine.async_engine import AsyncEngine, EngineDeadError
 from common.engine.output import RequestOutput
 from common.engine.sampling_params import SamplingParams
 from common.kv_transfer.params import wants_remote_decode, wants_remote_prefill
@@ -139,6 +145,8 @@ def sse_error(error: BaseException) -> str:
     """An error event inside a stream whose 200 status has already been sent."""
     if isinstance(error, ValueError):
         error = InvalidRequestError(str(error))
+    elif isinstance(error, EngineDeadError):
+        error = UnavailableError(str(error))
     elif not isinstance(error, APIError):
         error = ServerError(f"{type(error).__name__}: {error}")
     return sse(error.to_response().model_dump_json())

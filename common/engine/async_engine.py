@@ -11,6 +11,14 @@ OpenMP threads than cores, idle workers stop spinning and a decode step runs ~30
     async for out in engine.generate(request_id, prompt_token_ids, params): ...
 
 Leaving the `async for` early (a client that went away) aborts the request and frees its blocks.
+
+Fail closed: once the thread ends (a step raised, or `stop`), every request being generated,
+every call still queued and every later call or request fails at once with `EngineDeadError`;
+nothing waits forever. `on_death(error)` runs on the event loop when a failure ended it.
+
+Test hook: with `PDSERVE_FAULT_ENGINE_STEP=N` in the environment, the N-th engine step (1-based)
+raises `InjectedFaultError` instead of running, which kills the thread as a real fault would.
+Unset (production), it costs one integer comparison per step.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -31,8 +40,15 @@ from common.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+FAULT_STEP_ENV = "PDSERVE_FAULT_ENGINE_STEP"
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread failed; no request can be served."""
+
+
+class InjectedFaultError(RuntimeError):
+    """The step named by `PDSERVE_FAULT_ENGINE_STEP` failed on purpose (a test hook)."""
 
 
 @dataclass(frozen=True)
@@ -63,10 +79,18 @@ class EngineStats:
 
 
 class AsyncEngine:
-    def __init__(self, engine_factory: Callable[[], LLMEngine]):
+    def __init__(
+        self,
+        engine_factory: Callable[[], LLMEngine],
+        on_death: Callable[[BaseException], None] | None = None,
+    ):
         self._factory = engine_factory
+        self._on_death = on_death
         self.engine: LLMEngine | None = None
-        self._commands: deque[Callable[[], None]] = deque()
+        # (command, its caller's future or None); guarded by _lock against _close
+        self._commands: deque[tuple[Callable[[], None], Future | None]] = deque()
+        self._lock = threading.Lock()
+        self._closed_by: EngineDeadError | None = None  # set once: no command runs after it
         self._wake = threading.Event()
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -75,6 +99,8 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self.stats = EngineStats()
         self._num_pending = 0  # added, not yet seen by the scheduler
+        self._num_steps = 0
+        self._fault_step: int | None = None  # the test hook, read when the thread starts
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -133,7 +159,7 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._submit(lambda: self.engine.abort_request(request_id))
+        self._submit(lambda: self.engine.abort_request(request_id), None)
 
     def call(self, fn: Callable, *args) -> Future:
         """Run `fn(*args)` on the engine thread between steps (e.g. to read engine state)."""
@@ -142,7 +168,8 @@ class AsyncEngine:
     # -- the engine thread ------------------------------------------------------------------------
     def _call(self, fn: Callable, *args) -> Future:
         """`fn` runs on the engine thread even if the caller stops waiting (a client that goes
-        away cancels the future): whatever it did, the caller's clean-up (an abort) follows it."""
+        away cancels the future): whatever it did, the caller's clean-up (an abort) follows it.
+        The future fails with `EngineDeadError` if the thread ends before `fn` runs."""
         fut: Future = Future()
 
         def run() -> None:
@@ -153,15 +180,30 @@ class AsyncEngine:
             else:
                 _settle(fut.set_result, result)
 
-        self._submit(run)
+        self._submit(run, fut)
         return fut
 
-    def _submit(self, command: Callable[[], None]) -> None:
-        self._commands.append(command)
-        self._wake.set()
+    def _submit(self, command: Callable[[], None], fut: Future | None) -> None:
+        with self._lock:
+            if self._closed_by is None:
+                self._commands.append((command, fut))
+                self._wake.set()
+                return
+        if fut is not None:
+            _settle(fut.set_exception, self._closed_by)
+
+    def _close(self, error: EngineDeadError) -> None:
+        """No command runs from now on: those still queued fail with `error`, later ones too."""
+        with self._lock:
+            self._closed_by = error
+            queued, self._commands = self._commands, deque()
+        for _, fut in queued:
+            if fut is not None:
+                _settle(fut.set_exception, error)
 
     def _run(self, built: Future) -> None:
         try:
+            self._fault_step = _fault_step_from_env()
             self.engine = self._factory()
         except BaseException as e:  # noqa: BLE001 — handed to start()
             self.error = e
@@ -169,25 +211,35 @@ class AsyncEngine:
             return
         built.set_result(None)
         try:
-            while not self._stopping:
-                self._drain_commands()
-                if self.engine.has_unfinished_requests():
-                    self._publish(self.engine.step())
-                else:
-                    self.engine.poll_transfers()  # notifications and leases, while idle
-                    self._refresh_stats()
-                    if self.engine.has_unfinished_requests():  # pushed KV just landed
-                        continue
-                    self._wake.wait(0.01 if self.engine.has_pending_transfers() else None)
-                    self._wake.clear()
+            self._loop_until_stopped()
         except BaseException as e:  # noqa: BLE001 — every waiting request must hear of it
             logger.exception("engine thread failed")
             self.error = e
-            dead = EngineDeadError(f"engine failed: {e!r}")
-            self._loop.call_soon_threadsafe(self._fail_all, dead)
+            self._close(EngineDeadError(f"engine failed: {e!r}"))
+            self._loop.call_soon_threadsafe(self._fail_all, self._closed_by, e)
         finally:
+            self._close(self._closed_by or EngineDeadError("the engine has stopped"))
             if self.engine.connector is not None and hasattr(self.engine.connector, "close"):
                 self.engine.connector.close()
+
+    def _loop_until_stopped(self) -> None:
+        while not self._stopping:
+            self._drain_commands()
+            if self.engine.has_unfinished_requests():
+                self._step()
+                continue
+            self.engine.poll_transfers()  # notifications and leases, while idle
+            self._refresh_stats()
+            if self.engine.has_unfinished_requests():  # pushed KV just landed
+                continue
+            self._wake.wait(0.01 if self.engine.has_pending_transfers() else None)
+            self._wake.clear()
+
+    def _step(self) -> None:
+        self._num_steps += 1
+        if self._num_steps == self._fault_step:
+            raise InjectedFaultError(f"{FAULT_STEP_ENV}={self._fault_step}: this step fails")
+        self._publish(self.engine.step())
 
     def _add(
         self,
@@ -201,7 +253,7 @@ class AsyncEngine:
 
     def _drain_commands(self) -> None:
         while self._commands:
-            command = self._commands.popleft()
+            command, _ = self._commands.popleft()
             command()
         self._refresh_stats()
 
@@ -216,9 +268,11 @@ class AsyncEngine:
             if queue is not None:
                 queue.put_nowait(out)
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail_all(self, error: EngineDeadError, cause: BaseException) -> None:
         for queue in self._queues.values():
             queue.put_nowait(error)
+        if self._on_death is not None:
+            self._on_death(cause)
 
     def _refresh_stats(self) -> None:
         sched, pool = self.engine.scheduler, self.engine.pool
@@ -253,6 +307,16 @@ class AsyncEngine:
             kv_loaded_requests=dict(transfer.loaded_requests) if transfer else {},
             kv_recomputed=dict(transfer.recomputed) if transfer else {},
         )
+
+
+def _fault_step_from_env() -> int | None:
+    """The step `PDSERVE_FAULT_ENGINE_STEP` makes fail (a test hook), None when unset."""
+    value = os.environ.get(FAULT_STEP_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{FAULT_STEP_ENV} must be a step number >= 1, got {value!r}")
+    return int(value)
 
 
 def _settle(setter: Callable, value) -> None:

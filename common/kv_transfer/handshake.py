@@ -9,6 +9,7 @@ refused with a message that names what differs.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -33,10 +34,8 @@ class HandshakeInfo(BaseModel):
 def compat_fields(
     model_dir: Path, dtype: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int
 ) -> dict:
-    config = (model_dir / "config.json").read_bytes()
-    weights = sorted((p.name, p.stat().st_size) for p in model_dir.glob("*.safetensors"))
     return {
-        "model": hashlib.sha256(config + json.dumps(weights).encode()).hexdigest()[:16],
+        "model": model_identity(Path(model_dir)),
         "dtype": dtype,
         "num_layers": num_layers,
         "num_kv_heads": num_kv_heads,
@@ -44,6 +43,15 @@ def compat_fields(
         "block_size": block_size,
         "protocol_version": PROTOCOL_VERSION,
     }
+
+
+@functools.cache
+def model_identity(model_dir: Path) -> str:
+    """A hash of config.json and the weight files' names and sizes. Read once per folder (file
+    I/O): a running worker serves the weights it loaded, even if the folder changes later."""
+    config = (model_dir / "config.json").read_bytes()
+    weights = sorted((p.name, p.stat().st_size) for p in model_dir.glob("*.safetensors"))
+    return hashlib.sha256(config + json.dumps(weights).encode()).hexdigest()[:16]
 
 
 def compat_hash(fields: dict) -> str:
