@@ -97,6 +97,7 @@ def test_internal_routes_need_the_cluster_token(workers):
     _, d = workers
     routes = [("GET", "/internal/kv/handshake", None), ("POST", "/internal/kv/reserve", {})]
     routes += [("POST", "/internal/kv/release", {"request_id": "r"})]
+    routes += [("GET", "/internal/kv/peers", None)]
     for method, path, body in routes:
         for headers in ({}, {"X-Internal-Token": "wrong"}, {"X-Internal-Token": TOKEN.upper()}):
             assert_error(call(d.url, method, path, body, headers), 401, "authentication_error")
