@@ -280,6 +280,7 @@ class AsyncEngine:
         transfer = getattr(connector, "stats", None)
         leases = getattr(connector, "leases", None)
         holds = getattr(connector, "holds", None)
+        pushed = connector.pushes.stats if hasattr(connector, "pushes") else None
         reservations = getattr(connector, "reservations", None)
         push_incomplete = reservations.num_incomplete if reservations is not None else 0
         self.stats = EngineStats(
@@ -296,10 +297,10 @@ class AsyncEngine:
             kv_transfer_seconds=transfer.seconds_loading if transfer else 0.0,
             kv_transfer_descriptors=transfer.descriptors if transfer else 0,
             kv_lease_expiries=leases.num_expired if leases is not None else 0,
-            kv_push_bytes=transfer.bytes_pushed if transfer else 0,
-            kv_push_seconds=transfer.seconds_pushing if transfer else 0.0,
-            kv_push_exposed_seconds=transfer.seconds_push_exposed if transfer else 0.0,
-            kv_push_failures=(transfer.num_push_failures if transfer else 0) + push_incomplete,
+            kv_push_bytes=pushed.num_bytes if pushed else 0,
+            kv_push_seconds=pushed.seconds if pushed else 0.0,
+            kv_push_exposed_seconds=pushed.seconds_exposed if pushed else 0.0,
+            kv_push_failures=(pushed.num_failures if pushed else 0) + push_incomplete,
             kv_checksum_failures=transfer.num_checksum_failures if transfer else 0,
             kv_blocks_held=leases.num_blocks_held if leases is not None else 0,
             kv_blocks_in_transfer=holds.num_blocks_held if holds is not None else 0,

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, defaultdict
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,8 @@ from common.kv_transfer.base import KVConnector, KVLoss
 from common.kv_transfer.checksum import mismatch, request_checksums
 from common.kv_transfer.holds import TransferGroup, TransferHolds
 from common.kv_transfer.leases import LeaseTable, local_deadline, wall_deadline
-from common.kv_transfer.params import PushTarget, RemotePrefill, push_target, wants_remote_decode
+from common.kv_transfer.params import RemotePrefill, push_target, wants_remote_decode
+from common.kv_transfer.push import PushPlan, PushTable
 from common.kv_transfer.reservations import PUSHED, Reservation, ReservationTable, push_notif
 
 logger = logging.getLogger(__name__)
@@ -65,33 +66,6 @@ class LoadPlan:
 
 
 @dataclass
-class PushPlan:
-    request_id: str
-    target: PushTarget
-    group: TransferGroup  # the local blocks this chunk writes from, held until it settles
-    remote_blocks: list[int]
-    chunk: int
-    is_final: bool  # the prompt completes this step
-
-    @property
-    def local_blocks(self) -> list[int]:
-        return [b.block_id for b in self.group.blocks]
-
-
-@dataclass
-class _Push:
-    """P: one request's push across its prefill steps."""
-
-    target: PushTarget
-    num_blocks_sent: int = 0  # the request's leading blocks already in a chunk
-    num_chunks: int = 0
-    futures: list[Future] = field(default_factory=list)
-    is_finished: bool = False  # the request is done; its output waits for the writes
-    started_at: float = 0.0
-    finished_at: float = 0.0
-
-
-@dataclass
 class StepMeta:
     loads: list[LoadPlan] = field(default_factory=list)
     pushes: list[PushPlan] = field(default_factory=list)
@@ -104,11 +78,7 @@ class TransferStats:
     bytes_loaded: int = 0
     seconds_loading: float = 0.0
     descriptors: int = 0
-    bytes_pushed: int = 0
     num_checksum_failures: int = 0
-    num_push_failures: int = 0  # P: requests some of whose writes failed
-    seconds_pushing: float = 0.0  # per request: from its first WRITE to its last one landing
-    seconds_push_exposed: float = 0.0  # of that, after its prefill ended (not hidden by compute)
     loaded_requests: Counter = field(default_factory=Counter)  # D: by mode, pull | push
     recomputed: Counter = field(default_factory=Counter)  # D: by KVLoss.reason
 
@@ -122,8 +92,7 @@ class NixlConnector(KVConnector):
         self.pool = pool
         self.reservations: ReservationTable | None = None  # set once the layers are known
         self.holds = TransferHolds(pool)
-        self._pushes: dict[str, _Push] = {}  # P: request id → its push
-        self._sent: dict[str, str | None] = {}  # P: pushes settled, not yet taken; why failed
+        self.pushes = PushTable(self.holds, block_size)  # P
         self.transport = None
         self.kv_caches: list = []
         self.layer_index: dict[str, int] = {}
@@ -155,17 +124,15 @@ class NixlConnector(KVConnector):
 
     # -- P: hold blocks for the reader ------------------------------------------------------------
     def request_finished(self, request: Any) -> bool:
-        push = self._pushes.get(request.request_id)
         if not wants_remote_decode(request.kv_transfer_params) or not request.output_token_ids:
-            self._pushes.pop(request.request_id, None)  # its writes settle under the holds
+            self.pushes.forget(request.request_id)
             return False
         target = push_target(request.kv_transfer_params)
         checksums = (
             request_checksums(self.kv_caches, request.block_ids) if self.cfg.kv_checksum else None
         )
         if target is not None:  # pushed: nothing to hold once the writes settle
-            if push is not None:
-                push.is_finished, push.finished_at = True, time.perf_counter()
+            self.pushes.finish(request.request_id)
             request.kv_transfer_params_out = RemotePrefill(
                 remote_engine_id=self.cfg.engine_id,
                 remote_block_ids=[],
@@ -205,7 +172,7 @@ class NixlConnector(KVConnector):
             elif msg.startswith(PUSHED):
                 self._on_pushed(msg)
         self.holds.settle()
-        self._settle_pushes()
+        self.pushes.settle()
         for request_id in self.leases.expire():
             logger.warning("lease of %s expired: its blocks are freed", request_id)
         for reservation_id in self.reservations.expire() if self.reservations else []:
@@ -216,7 +183,7 @@ class NixlConnector(KVConnector):
             len(self.leases) > 0
             or bool(self.reservations and len(self.reservations))
             or len(self.holds) > 0
-            or bool(self._pushes)
+            or len(self.pushes) > 0
         )
 
     def _on_pushed(self, msg: bytes) -> None:
@@ -269,34 +236,9 @@ class NixlConnector(KVConnector):
         pushes = [
             plan
             for req, num_new in scheduled
-            if (plan := self._push_plan(req, num_new)) is not None
+            if (plan := self.pushes.plan(req, num_new)) is not None
         ]
         return StepMeta(loads, pushes) if loads or pushes else None
-
-    def _push_plan(self, req: Any, num_new: int) -> PushPlan | None:
-        """P: this step's chunk: the blocks that became full (from block 0 on the first step,
-        cached ones too), and in the last step every block left. Each block is written once."""
-        target = push_target(req.kv_transfer_params)
-        if target is None or req.num_output_tokens > 0:
-            return None
-        push = self._pushes.setdefault(req.request_id, _Push(target))
-        end = req.num_computed_tokens + num_new
-        is_final = end == req.num_tokens
-        first = push.num_blocks_sent
-        last = -(-end // self.block_size) if is_final else end // self.block_size
-        if first >= last and not is_final:
-            return None
-        push.num_blocks_sent = max(first, last)
-        plan = PushPlan(
-            req.request_id,
-            target,
-            self.holds.hold(req.blocks[first:last]),
-            target.block_ids[first:last],
-            chunk=push.num_chunks,
-            is_final=is_final,
-        )
-        push.num_chunks += 1
-        return plan
 
     def start_load_kv(self, ctx) -> None:
         deadline = time.monotonic() + self.cfg.load_timeout
@@ -370,8 +312,6 @@ class NixlConnector(KVConnector):
         deadline = time.monotonic() + self.cfg.load_timeout
         ready = _kv_written_event(kv_cache)
         for plan in pushes:
-            push = self._pushes[plan.request_id]
-            push.started_at = push.started_at or time.perf_counter()
             future = _submit(
                 self.transport.write_layer,
                 plan.target.engine_id,
@@ -382,8 +322,7 @@ class NixlConnector(KVConnector):
                 deadline=_fenced(deadline, plan.target.write_by),
                 ready=ready,
             )
-            plan.group.futures.append(future)
-            push.futures.append(future)
+            self.pushes.add_write(plan, future)
 
     def wait_for_save(self) -> None:
         """Loads are done (the forward waited for each layer); pushes go on without us."""
@@ -402,31 +341,10 @@ class NixlConnector(KVConnector):
 
     # -- P: pushes settle in the background ---------------------------------------------------
     def is_sending(self, request_id: str) -> bool:
-        return request_id in self._pushes or request_id in self._sent
+        return self.pushes.is_sending(request_id)
 
     def take_sent(self) -> dict[str, str | None]:
-        sent, self._sent = self._sent, {}
-        return sent
-
-    def _settle_pushes(self) -> None:
-        """Finished requests whose writes are all done: their outcome, for the engine."""
-        for request_id, push in list(self._pushes.items()):
-            if not push.is_finished or not all(f.done() for f in push.futures):
-                continue
-            del self._pushes[request_id]
-            errors = [e for f in push.futures if (e := _error(f)) is not None]
-            self.stats.bytes_pushed += sum(
-                f.result().num_bytes for f in push.futures if _error(f) is None
-            )
-            done = time.perf_counter()
-            self.stats.seconds_pushing += done - (push.started_at or done)
-            self.stats.seconds_push_exposed += done - push.finished_at
-            why = None
-            if errors:
-                self.stats.num_push_failures += 1
-                why = f"{len(errors)} of {len(push.futures)} KV writes failed: {errors[0]!r}"
-                logger.warning("KV push for %s failed: %s", request_id, why)
-            self._sent[request_id] = why
+        return self.pushes.take_settled()
 
     # -- D: accounting ---------------------------------------------------------------------------
     def count_loaded(self, mode: str) -> None:
@@ -458,13 +376,6 @@ def _fenced(deadline: float, peer_deadline: float | None) -> float:
     """The earlier of a local deadline and a peer's wall-clock one (its lease or reservation):
     a transfer never runs past the time the peer may reuse the blocks."""
     return deadline if peer_deadline is None else min(deadline, local_deadline(peer_deadline))
-
-
-def _error(future: Future) -> BaseException | None:
-    """A done Future's exception (a cancelled one's too), or None."""
-    if future.cancelled():
-        return CancelledError()
-    return future.exception()
 
 
 def _kv_written_event(kv_cache):

@@ -8,7 +8,6 @@ behind the same methods, for when two NIXL agents in one process cannot reach ea
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing as mp
 import time
 import uuid
@@ -117,8 +116,11 @@ class EngineSide:
             time.sleep(0.001)
 
     def stats(self) -> dict:
-        stats = dataclasses.asdict(self.connector.stats)
-        stats.pop("last_load", None)
+        stats = {
+            k: dict(v) if isinstance(v, dict) else v for k, v in vars(self.connector.stats).items()
+        }
+        push = self.connector.pushes.stats
+        stats.update(bytes_pushed=push.num_bytes, num_push_failures=push.num_failures)
         return stats
 
     def settle(self, timeout: float = 10.0) -> bool:
