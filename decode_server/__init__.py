@@ -1,1 +1,3 @@
-"""decode_server: see DESIGN.md."""
+"""decode_server: the decode worker: reads (pull) or receives (push) a prompt's KV cache from a
+prefill worker and generates the rest; serves whole requests alone too (colocated). See
+docs/design.md."""

@@ -1,6 +1,7 @@
 """`python -m decode_server`: the decode worker, an OpenAI-compatible server (see --help).
 
-Until KV transfer joins, both roles serve requests colocated: prefill and decode on one engine.
+Both roles are the same server (common/api/server.py) and engine; the role decides what a
+request with `kv_transfer_params` does (docs/design.md).
 """
 
 from common.api.server import main

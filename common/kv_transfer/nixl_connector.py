@@ -260,6 +260,8 @@ class NixlConnector(KVConnector):
                 self._futures[layer].append((plan, future))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        """D: block until this layer's READs are DONE (or failed). NOTE: on CUDA this is also
+        what orders them before compute: the layer's attention is launched only after."""
         layer = self.layer_index[layer_name]
         for plan, future in self._futures.pop(layer, []):
             if plan.failed:
