@@ -55,6 +55,7 @@ class ServerState:
         self.model_name = cfg.served_model_name or "starting"
         self.load_error: BaseException | None = None
         self.is_draining = False
+        self.num_admitted = 0  # admitted requests not yet handed to the engine (serving.py)
         self.started_at = int(time.time())
         self.exit_code = 0  # the process's exit status once the server stops
         self.request_exit: Callable[[], None] | None = None  # the server stops, draining

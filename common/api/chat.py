@@ -46,7 +46,7 @@ async def create_chat_completion(
     validate_params(params, llm.arch.vocab_size)
     job = Job(new_request_id(request), ids, params, choice_offset=0)
     job.kv_transfer_params = await resolve_kv_params(state, req.kv_transfer_params, request)
-    admit(state, engine, 1)
+    admit(state, engine, [job])
     response_id = f"chatcmpl-{request.state.request_id}"
     outputs = run_jobs(state, engine, [job])
     if req.stream:

@@ -41,6 +41,27 @@ class Job:
     arrival: float = field(default_factory=time.perf_counter)
     last_token_at: float | None = None
     num_output_tokens: int = 0
+    admission: Admission | None = None
+
+
+class Admission:
+    """A job admitted but not yet handed to the engine, counted against `--max-waiting` from
+    the moment it is admitted (tokenization awaits a thread pool, so many requests can pass
+    admission before any reaches the engine). Released when the job reaches the engine, or
+    when it is dropped without ever getting there (a client gone before its stream started)."""
+
+    def __init__(self, state: ServerState) -> None:
+        self._state = state
+        self._is_held = True
+        state.num_admitted += 1
+
+    def release(self) -> None:
+        if self._is_held:
+            self._is_held = False
+            self._state.num_admitted -= 1
+
+    def __del__(self) -> None:
+        self.release()
 
 
 def num_tokens_sent_before(job: Job) -> int:
@@ -58,13 +79,17 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
         )
 
 
-def admit(state: ServerState, engine: AsyncEngine, num_jobs: int) -> None:
-    if engine.num_waiting + num_jobs > state.cfg.max_waiting:
+def admit(state: ServerState, engine: AsyncEngine, jobs: list[Job]) -> None:
+    """Count the jobs as waiting from now on, or 429 if that passes `--max-waiting`."""
+    num_waiting = engine.num_waiting + state.num_admitted
+    if num_waiting + len(jobs) > state.cfg.max_waiting:
         raise OverloadedError(
-            f"the server is overloaded: {engine.num_waiting} requests are waiting "
+            f"the server is overloaded: {num_waiting} requests are waiting "
             f"(limit {state.cfg.max_waiting}); retry later",
             headers={"Retry-After": "1"},
         )
+    for job in jobs:
+        job.admission = Admission(state)
 
 
 def new_request_id(request: Request) -> str:
@@ -113,6 +138,8 @@ async def _one(
     state: ServerState, engine: AsyncEngine, job: Job
 ) -> AsyncIterator[tuple[Job, RequestOutput]]:
     m = state.metrics
+    if job.admission is not None:  # from here on the engine counts it (no await in between)
+        job.admission.release()
     outputs = engine.generate(
         job.request_id, job.prompt_token_ids, job.params, job.kv_transfer_params
     )
