@@ -208,8 +208,9 @@ def test_a_frozen_decode_worker_does_not_stall_the_prefill_worker(chunked_pd):
         time.sleep(0.3)  # the push is at P, its WRITEs to the frozen D in flight
         busy = max(ttft(p.url, random_prompt(i)) for i in range(20, 25))
         sender.join(30)
-    # NOTE: no wall-clock speed is asserted here, only that P is not stalled for the seconds
-    # a WRITE to a frozen peer takes to time out (before the fix: every request waited them)
-    assert busy < 2 * idle + 0.5, f"P stalled: {busy:.2f} s per request vs {idle:.2f} s idle"
+    # NOTE: no wall-clock speed is asserted here, only that P is not stalled for the ~4.5 s a
+    # WRITE to a frozen peer takes to time out (before the fix: 4.2 s vs 0.04 s idle); the
+    # slack keeps a loaded machine's noise out of it
+    assert busy < 2 * idle + 1.5, f"P stalled: {busy:.2f} s per request vs {idle:.2f} s idle"
     assert not sender.is_alive() and result["status"] in (200, 500), result
     assert wait_until(lambda: p.metric("pdserve_kv_blocks_used") == 0, timeout=30)
