@@ -1,11 +1,14 @@
-"""Engine throughput on SmolLM2-135M vs transformers' batched `generate`, and vs the roofline.
+"""Engine throughput on SmolLM2-135M vs transformers' batched `generate` and vLLM, and vs the
+roofline.
 
-For each concurrency: the same prompts (128 random token ids each), 128 new tokens each, greedy,
-EOS ignored. Output tokens/s of this engine and of transformers in the same run, their ratio,
-and the fraction of this machine's roofline: per step, max(FLOPs / matmul rate, weight bytes /
-memory rate), with both rates measured here first.
+For each dtype and concurrency: the same prompts (128 random token ids each), 128 new tokens each,
+greedy, EOS ignored. Output tokens/s of this engine, of transformers and (with `--peer vllm`) of
+vLLM's CPU build in its own virtualenv (benchmarks/vllm_cpu.py), all in the same run on the same
+threads; the ratios; and the fraction of this machine's roofline: per step,
+max(FLOPs / matmul rate, weight bytes / memory rate), both rates measured here first in that dtype.
 
-    python benchmarks/bench_engine.py [--concurrency 1 8 32] [--skip-hf]
+    python benchmarks/bench_engine.py [--dtype float32 bfloat16] [--concurrency 1 8 32]
+                                      [--skip-hf] [--peer vllm]
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ import time
 
 import torch
 
+from benchmarks.vllm_cpu import ensure_vllm, run_vllm
 from common.engine.llm import LLM
 from common.engine.sampling_params import SamplingParams
 
 
-def measure_matmul_gflops(n: int = 2048, repeats: int = 10) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def measure_matmul_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b
     start = time.perf_counter()
     for _ in range(repeats):
@@ -44,7 +48,7 @@ def model_costs(model: torch.nn.Module) -> tuple[float, float, float]:
     weights = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
     lm_head = cfg.vocab_size * cfg.hidden_size  # tied or not, the head is read every step
     flops_per_token = 2 * (weights + lm_head)
-    bytes_per_step = 4 * (weights + lm_head)
+    bytes_per_step = next(model.parameters()).element_size() * (weights + lm_head)
     attn_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim  # QK^T and PV per key
     return flops_per_token, bytes_per_step, attn_flops
 
@@ -72,10 +76,10 @@ def bench_ours(llm: LLM, prompts, new_tokens: int) -> float:
     return len(prompts) * new_tokens / elapsed
 
 
-def bench_hf(model_dir, prompts, new_tokens: int) -> float:
+def bench_hf(model_dir, prompts, new_tokens: int, dtype: torch.dtype) -> float:
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     ids = torch.tensor(prompts)
     kwargs = dict(
         max_new_tokens=new_tokens,
@@ -92,42 +96,76 @@ def bench_hf(model_dir, prompts, new_tokens: int) -> float:
     return len(prompts) * new_tokens / elapsed
 
 
+def bench_dtype(args, dtype: str, prompts, vllm_python) -> list[dict]:
+    """One row per batch size: this engine, transformers, vLLM and the roofline, in `dtype`."""
+    llm = LLM(dtype=dtype, max_num_seqs=max(args.concurrency), max_num_batched_tokens=2048)
+    torch_dtype = llm.engine.config.model.torch_dtype
+    model_dir = llm.engine.config.model.model_dir
+    gflops, gbps = measure_matmul_gflops(torch_dtype), measure_memory_gbps()
+    costs = model_costs(llm.engine.model)
+    name = str(torch_dtype).removeprefix("torch.")
+    print(f"{name}: matmul {gflops:.0f} GFLOP/s, {costs[1] / 1e6:.0f} MB read per decode step")
+    rows = []
+    for c in args.concurrency:
+        batch = prompts[:c]
+        roof = roofline_tps(costs, gflops, gbps, c, args.prompt_len, args.new_tokens)
+        ours = bench_ours(llm, batch, args.new_tokens)
+        print(f"  engine, batch {c}: {ours:.1f} tok/s", flush=True)
+        rows.append(dict(dtype=name, batch=c, engine=ours, roofline=roof))
+    del llm
+    for row in rows:
+        row["hf"] = float("nan")
+        if not args.skip_hf:
+            row["hf"] = bench_hf(model_dir, prompts[: row["batch"]], args.new_tokens, torch_dtype)
+            print(f"  transformers, batch {row['batch']}: {row['hf']:.1f} tok/s", flush=True)
+    vllm = {}
+    if vllm_python is not None:
+        threads = torch.get_num_threads()
+        vllm = run_vllm(vllm_python, model_dir, prompts, name, args, threads)
+        print(f"  vLLM: {vllm}", flush=True)
+    for row in rows:
+        row["vllm"] = vllm.get(row["batch"], float("nan"))
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(
+        f"{'dtype':>8} | {'batch':>5} | {'engine tok/s':>12} | {'transformers':>12} | "
+        f"{'vLLM':>8} | {'eng/HF':>6} | {'eng/vLLM':>8} | {'of roofline':>11}"
+    )
+    for r in rows:
+        e = r["engine"]
+        print(
+            f"{r['dtype']:>8} | {r['batch']:>5} | {e:>12.1f} | {r['hf']:>12.1f} | "
+            f"{r['vllm']:>8.1f} | {e / r['hf']:>6.2f} | {e / r['vllm']:>8.2f} | "
+            f"{e / r['roofline']:>10.0%}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    dtypes = ["float32", "bfloat16", "auto"]
+    parser.add_argument("--dtype", nargs="+", default=dtypes[:2], choices=dtypes)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--peer", choices=["vllm"], help="also run vLLM (installed once)")
+    parser.add_argument("--vllm-version", default="0.32.0")
     args = parser.parse_args()
 
-    gflops, gbps = measure_matmul_gflops(), measure_memory_gbps()
-    llm = LLM(max_num_seqs=max(args.concurrency), max_num_batched_tokens=2048)
-    model_dir = llm.engine.config.model.model_dir
-    costs = model_costs(llm.engine.model)
+    vllm_python = ensure_vllm(args.vllm_version) if args.peer == "vllm" else None
     g = torch.Generator().manual_seed(0)
-    vocab = llm.engine.arch.vocab_size
+    vocab = 49152  # SmolLM2's; ids from 100 skip its special tokens
     prompts = torch.randint(100, vocab, (max(args.concurrency), args.prompt_len), generator=g)
-    print(
-        f"machine: {torch.get_num_threads()} threads, matmul {gflops:.0f} GFLOP/s, "
-        f"memory read {gbps:.1f} GB/s; model: {costs[0] / 2e6:.0f} M matmul params, "
-        f"{costs[1] / 1e6:.0f} MB read per decode step"
-    )
-    print(
-        f"{'batch':>5} | {'engine tok/s':>12} | {'transformers':>12} | {'ratio':>5} | "
-        f"{'roofline tok/s':>14} | {'of roofline':>11}"
-    )
-    for c in args.concurrency:
-        batch = prompts[:c].tolist()
-        ours = bench_ours(llm, batch, args.new_tokens)
-        hf = float("nan") if args.skip_hf else bench_hf(model_dir, batch, args.new_tokens)
-        roof = roofline_tps(costs, gflops, gbps, c, args.prompt_len, args.new_tokens)
-        print(
-            f"{c:>5} | {ours:>12.1f} | {hf:>12.1f} | {ours / hf:>5.2f} | {roof:>14.1f} | "
-            f"{ours / roof:>10.0%}",
-            flush=True,
-        )
+    gbps = measure_memory_gbps()
+    print(f"machine: {torch.get_num_threads()} threads, memory read {gbps:.1f} GB/s")
+    rows = []
+    for dtype in args.dtype:
+        rows += bench_dtype(args, dtype, prompts.tolist(), vllm_python)
+    print_table(rows)
 
 
 if __name__ == "__main__":

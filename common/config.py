@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from common.auto_dtype import DtypeChoice, choose_auto_dtype
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -26,7 +28,7 @@ _DTYPES = {
 class ModelConfig:
     model: str | None = None  # an HF-format folder; None: the built-in SmolLM2-135M-Instruct
     device: str = "cpu"
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16, else float32
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     attention_backend: str | None = None  # None: chosen at run time
     seed: int = 0
@@ -41,9 +43,14 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        return self.dtype_choice.dtype
+
+    @property
+    def dtype_choice(self) -> DtypeChoice:
+        """The dtype the model and its KV cache run in, and why (common/auto_dtype.py)."""
         if self.dtype == "auto":
-            return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+            return choose_auto_dtype(self.device)
+        return DtypeChoice(_DTYPES[self.dtype], "set explicitly")
 
     @property
     def model_dir(self) -> Path:

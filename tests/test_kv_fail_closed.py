@@ -49,7 +49,7 @@ def decode_engine(model: str) -> LLMEngine:
     """A decode engine in this process, so that its transport can be given faults."""
     return LLMEngine(
         EngineConfig(
-            ModelConfig(model, max_model_len=256),
+            ModelConfig(model, dtype="float32", max_model_len=256),  # as the P worker
             CacheConfig(num_blocks=48, enable_prefix_caching=False),
             transfer=TransferConfig(connector="nixl", failure_policy="fail", load_timeout=30),
         )

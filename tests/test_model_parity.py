@@ -23,7 +23,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_greedy_matches_transformers(tiny_model, arch):
     model_dir = tiny_model(arch)
-    llm = LLM(str(model_dir), num_blocks=64, block_size=16)
+    llm = LLM(str(model_dir), num_blocks=64, block_size=16, dtype="float32")
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for i, n in enumerate(PROMPT_LENS):
         prompt = _prompt(n, seed=i)

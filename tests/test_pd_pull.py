@@ -7,6 +7,7 @@ import httpx
 import pytest
 import torch
 
+from common.config import ModelConfig
 from tests.servers import kv_sources, wait_until
 from tests.tiny_models import VOCAB
 
@@ -127,6 +128,26 @@ def test_incompatible_prefill_is_refused(start_server, model, pd):
     assert "block_size: 32 there, 16 here" in err["message"]
     httpx.post(f"{p32.url}/internal/kv/release", json={"request_id": params["remote_request_id"]})
     assert wait_until(lambda: p32.metric("pdserve_kv_blocks_used") == 0)
+
+
+@pytest.mark.parametrize("p_dtype", ["auto", "bfloat16"])
+def test_dtype_mismatch_is_refused(start_server, model, pd, p_dtype):
+    """D runs explicit float32 (tests/servers.py); a P in bf16, asked for by name or by auto
+    where auto means bf16 here, is refused by the handshake."""
+    _, d = pd
+    if ModelConfig(dtype=p_dtype).torch_dtype == torch.float32:
+        pytest.skip("--dtype auto is float32 on this CPU: it matches D")
+    common = ["--model", model, "--num-blocks", "64", "--max-model-len", "256"]
+    p16 = start_server("prefill", *common, "--dtype", p_dtype)
+    body = dict(prompt=prompts()[5], temperature=0, max_tokens=4)
+    params = prefill(p16, body)
+    r = httpx.post(f"{d.url}/v1/completions", json={**body, "kv_transfer_params": params})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "kv_transfer_params"
+    assert "dtype: 'torch.bfloat16' there, 'torch.float32' here" in err["message"]
+    httpx.post(f"{p16.url}/internal/kv/release", json={"request_id": params["remote_request_id"]})
+    assert wait_until(lambda: p16.metric("pdserve_kv_blocks_used") == 0)
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])

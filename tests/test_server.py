@@ -33,7 +33,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def offline(model_dir):
-    return LLM(model_dir, num_blocks=64)
+    return LLM(model_dir, num_blocks=64, dtype="float32")  # as tests/servers.py runs workers
 
 
 def test_models_list(client, server):

@@ -21,7 +21,7 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(num_blocks=256, max_model_len=2048)
+    return LLM(num_blocks=256, max_model_len=2048, dtype="float32")  # fp32: see test_bf16_parity
 
 
 @pytest.fixture(scope="module")

@@ -85,7 +85,8 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     add(
         "--dtype",
         default="auto",
-        help="auto (fp32 on CPU, bf16 on CUDA), float32, float16, bfloat16",
+        help="auto (bf16 on CUDA and on CPUs with avx512_bf16/amx_bf16, else fp32), "
+        "float32, float16, bfloat16",
     )
     add("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     add(

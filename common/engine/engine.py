@@ -54,7 +54,8 @@ class LLMEngine:
         self.arch = load_arch_config(model_dir)
         self.max_model_len = _max_model_len(mc.max_model_len, self.arch.max_position_embeddings)
         self.device = torch.device(mc.device)
-        dtype = mc.torch_dtype
+        dtype, why = mc.dtype_choice.dtype, mc.dtype_choice.reason
+        logger.info("dtype %s (--dtype %s: %s)", str(dtype).removeprefix("torch."), mc.dtype, why)
         torch.manual_seed(mc.seed)
         self.model = load_model(model_dir, dtype, self.device, self.max_model_len)
         backend = select_backend(self.device, dtype, cc.block_size, mc.attention_backend)
