@@ -71,6 +71,8 @@ def test_clients_that_hang_up_early_leak_nothing(start_server, workers, mode, fi
     assert wait_until(lambda: outstanding(proxy) == [0, 0], timeout=30), outstanding(proxy)
     assert wait_until(lambda: d.metric("pdserve_num_requests_running") == 0, timeout=30)
     assert_pools_free(p, d)
+    # P keeps no book of pushes aborted before their first token
+    assert wait_until(lambda: p.metric("pdserve_kv_pushes_in_flight") == 0, timeout=30)
 
 
 def test_unknown_paths_do_not_grow_the_request_metric(workers):

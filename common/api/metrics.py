@@ -132,6 +132,11 @@ class ServerMetrics:
             "KV blocks given up by their request but held until transfers into them settle",
             registry=r,
         )
+        self.pushes_in_flight = Gauge(
+            "pdserve_kv_pushes_in_flight",
+            "Prefill worker: push requests whose KV writes have not all settled",
+            registry=r,
+        )
         self.loaded_requests = Counter(
             "pdserve_kv_loaded_requests",
             "Remote-prefill requests decoded from transferred KV, by mode",
@@ -178,6 +183,7 @@ class ServerMetrics:
             self.blocks_held.set(stats.kv_blocks_held)
             self.blocks_in_transfer.set(stats.kv_blocks_in_transfer)
             self.blocks_quarantined.set(stats.kv_blocks_quarantined)
+            self.pushes_in_flight.set(stats.kv_pushes_in_flight)
             _catch_up(self.loaded_requests, "mode", stats.kv_loaded_requests)
             _catch_up(self.recomputed, "reason", stats.kv_recomputed)
             for name, counter in self.transfer_counters.items():

@@ -80,6 +80,7 @@ class EngineStats:
     kv_blocks_quarantined: int = 0
     kv_loaded_requests: dict[str, int] = field(default_factory=dict)  # by mode
     kv_recomputed: dict[str, int] = field(default_factory=dict)  # by reason
+    kv_pushes_in_flight: int = 0  # P: push requests whose writes have not settled
 
 
 class AsyncEngine:
@@ -315,6 +316,7 @@ class AsyncEngine:
             kv_blocks_quarantined=holds.num_quarantined if holds is not None else 0,
             kv_loaded_requests=dict(transfer.loaded_requests) if transfer else {},
             kv_recomputed=dict(transfer.recomputed) if transfer else {},
+            kv_pushes_in_flight=len(connector.pushes) if hasattr(connector, "pushes") else 0,
         )
 
 
