@@ -51,7 +51,9 @@ async def health_latencies_during(url: str, body: bytes) -> tuple[list[float], h
 
 def test_health_answers_while_a_big_prompt_is_tokenized(start_server, tiny_model):
     model_dir = tiny_model("llama")
-    prompt = slow_prompt(Tokenizer.from_dir(model_dir), min_seconds=0.5)
+    # 100,000 characters (~0.2 s to encode here): a blocked loop delays /health by all of it;
+    # a longer prompt only adds rounds in which a loaded machine can steal 50 ms from a call
+    prompt = slow_prompt(Tokenizer.from_dir(model_dir), min_seconds=0.15)
     body = json.dumps({"prompt": prompt, "max_tokens": 1}, ensure_ascii=False).encode()
     args = ["--model", str(model_dir), "--max-body-bytes", str(4 * len(body))]
     server = start_server("prefill", *args)
