@@ -1,6 +1,6 @@
 """Tiny random HF models of every supported architecture, built offline with transformers.
 
-MODELS.md's trap: random tied embeddings at the default initializer range emit one token over
+A known trap: random tied embeddings at the default initializer range emit one token over
 and over, so these use a large initializer range and untied heads (except where the tie itself
 is under test), which gives varied greedy tokens with clear top-1/top-2 gaps; the output
 embedding is then scaled so logits are of order 1.
