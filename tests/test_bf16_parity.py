@@ -11,13 +11,13 @@ fp32 up to 2.2%; on the tiny models 2.1%. 5% leaves margin over both without hid
 test_smollm2.py and test_model_parity.py at 1e-4 / 1e-5.
 
 Tokens: on SmolLM2 the first 16 greedy tokens must equal on every chat prompt (a paged bf16
-implementation was seen to diverge at step 19; here "Write a haiku" diverges at step 17,
-where transformers' top-1/top-2 gap is 0.125, one bf16 step at that logit size). The tiny
-random models cannot pass that bar in bf16: their top-1/top-2 gaps (1e-4..6e-3 at a logit range of ~1.4) lie below bf16's resolution, and
-transformers' own bf16 run leaves its fp32 run before 16 tokens on most of their prompts. So there,
-on the same prompts as the fp32 test (none picked), tokens must equal up to the first step where
-transformers' own logits put our token within the tolerance of its top-1 (a near-tie), and the
-assertion message reports that gap.
+implementation was seen to diverge at step 19; here "Write a haiku" diverges at step 17, where
+transformers' top-1/top-2 gap is 0.125, one bf16 step at that logit size). The tiny random models
+cannot pass that bar in bf16: their top-1/top-2 gaps (1e-4..6e-3 at a logit range of ~1.4) lie
+below bf16's resolution, and transformers' own bf16 run leaves its fp32 run before 16 tokens on
+most of their prompts. So there, on the same prompts as the fp32 test (none picked), tokens must
+equal up to the first step where transformers' own logits put our token within the tolerance of its
+top-1 (a near-tie), and the assertion message reports that gap.
 """
 
 from __future__ import annotations
