@@ -3,21 +3,25 @@
 deploy/local.py is the command line around it; deploy/processes.py starts and stops the processes.
 Workers bind 127.0.0.1 on their role's usual ports (8100, 8101, ... and 8200, 8201, ...) where
 those are free, else on ports the OS hands out; the proxy gets `--port` (0: any free one) and
-lists every worker's URL.
+lists every worker's URL. Workers split the launcher's cores (deploy/cores.py): each gets its
+own `--cpu-cores` and `--cpu-threads`, unless `--no-cpu-split`.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from deploy.compose import BASE_PORTS, MODES, PROXY_PORT
+from deploy.cores import CpuPlan, WorkerCpu, plan_cores
 from deploy.processes import Child, Supervisor
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct (built-in)"
 WORKER_HOST = "127.0.0.1"
+CPU_FLAGS = ("--cpu-cores", "--cpu-threads")
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class LocalConfig:
     ready_timeout_s: float = 600.0
     worker_args: tuple[str, ...] = ()
     proxy_args: tuple[str, ...] = ()
+    is_cpu_split: bool = True  # each worker gets its own cores (deploy/cores.py)
 
     def __post_init__(self) -> None:
         if self.num_decode < 1 or self.num_prefill < 0:
@@ -55,10 +60,22 @@ class LocalConfig:
             raise ValueError("--ask needs the cluster ready: drop --no-wait")
         if any(arg.split("=")[0] in ("--port", "--internal-token") for arg in self.worker_args):
             raise ValueError("the launcher sets the workers' --port and --internal-token")
+        if self.is_cpu_split and any(arg.split("=")[0] in CPU_FLAGS for arg in self.worker_args):
+            raise ValueError(
+                "the launcher splits the cores among the workers (--cpu-cores, --cpu-threads); "
+                "to give every worker your own, add --no-cpu-split"
+            )
 
     @property
     def model_name(self) -> str:
         return self.model or DEFAULT_MODEL
+
+    @property
+    def cpu_plan(self) -> CpuPlan | None:
+        """The launcher's cores split among the workers; None with --no-cpu-split."""
+        if not self.is_cpu_split:
+            return None
+        return plan_cores(self.num_prefill, self.num_decode, sorted(os.sched_getaffinity(0)))
 
 
 def is_port_free(host: str, port: int) -> bool:
@@ -82,10 +99,12 @@ def pick_port(host: str, preferred: int | None, taken: set[int]) -> int:
     return port
 
 
-def worker_command(cfg: LocalConfig, role: str, port: int) -> list[str]:
+def worker_command(cfg: LocalConfig, role: str, port: int, cpu: WorkerCpu | None) -> list[str]:
     cmd = [sys.executable, "-m", f"{role}_server", "--port", str(port)]
     if cfg.model:
         cmd += ["--model", str(Path(cfg.model).resolve())]
+    if cpu is not None:
+        cmd += cpu.worker_args()
     return cmd + list(cfg.worker_args)
 
 
@@ -101,15 +120,16 @@ def proxy_command(cfg: LocalConfig, port: int, urls: dict[str, list[str]]) -> li
 def start_cluster(cfg: LocalConfig, sup: Supervisor, proxy_port: int, log_dir: Path) -> Child:
     """Start the workers, then the proxy in front of them; returns the proxy."""
     taken = {proxy_port}
+    plan = cfg.cpu_plan
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     for role, count in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode)):
         for i in range(count):
             port = pick_port(WORKER_HOST, BASE_PORTS[role] + i, taken)
             urls[role].append(f"http://{WORKER_HOST}:{port}")
             name = f"{role}-{i}"
-            sup.start(
-                name, urls[role][-1], worker_command(cfg, role, port), log_dir / f"{name}.log"
-            )
+            cpu = plan.workers[name] if plan is not None else None
+            cmd = worker_command(cfg, role, port, cpu)
+            sup.start(name, urls[role][-1], cmd, log_dir / f"{name}.log")
     host = "127.0.0.1" if cfg.host in ("0.0.0.0", "") else cfg.host  # where clients connect
     cmd = proxy_command(cfg, proxy_port, urls)
     return sup.start("proxy", f"http://{host}:{proxy_port}", cmd, log_dir / "proxy.log")
@@ -120,5 +140,17 @@ def banner(cfg: LocalConfig, children: list[Child]) -> str:
         f"pdserve local cluster: {cfg.num_prefill} prefill + {cfg.num_decode} decode, "
         f"mode {cfg.mode}, model {cfg.model_name}"
     )
-    rows = [f"  {c.name:<10} {c.url:<24} pid {c.pid:<8} log {c.log_path}" for c in children]
-    return "\n".join([head, *rows])
+    plan = cfg.cpu_plan
+    warnings = [f"warning: {w}" for w in plan.warnings] if plan is not None else []
+    rows = [
+        f"  {c.name:<10} {c.url:<24} pid {c.pid:<8} {_cpu_column(plan, c.name):<20} "
+        f"log {c.log_path}"
+        for c in children
+    ]
+    return "\n".join([head, *warnings, *rows])
+
+
+def _cpu_column(plan: CpuPlan | None, name: str) -> str:
+    if plan is None or name not in plan.workers:
+        return "any core"  # the proxy, and every worker with --no-cpu-split
+    return plan.workers[name].describe()

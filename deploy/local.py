@@ -10,6 +10,10 @@ each. The launcher prints a banner (every URL, pid and log), waits for the proxy
 stays in the foreground: Ctrl-C or SIGTERM stops every child and exits 0 (deploy/processes.py). A
 child that exits on its own stops the rest and ends the launcher with status 1 and the tail of
 that child's log. Arguments after `--` go to every worker; `--proxy-args` to the proxy.
+
+Workers do not share cores: the launcher splits its cores among them (deploy/cores.py) and the
+banner shows each worker's cores and torch threads; `--no-cpu-split` lets every worker take
+every core (and lets `--cpu-cores`/`--cpu-threads` after `--` apply to all of them).
 """
 
 from __future__ import annotations
@@ -243,6 +247,12 @@ def parse_args(argv: list[str] | None = None) -> LocalConfig:
     add("--ask", default=None, metavar="QUESTION", help="once ready, ask this and print the answer")
     add("--exit", action="store_true", help="with --ask: stop everything after the answer")
     add(
+        "--no-cpu-split",
+        action="store_true",
+        help="do not give each worker its own cores (default: split this machine's cores, "
+        "prefill and decode never on the same core)",
+    )
+    add(
         "--proxy-args", default="", help="extra proxy flags as one string, e.g. '--log-level debug'"
     )
     a = p.parse_args(argv)
@@ -261,6 +271,7 @@ def parse_args(argv: list[str] | None = None) -> LocalConfig:
             ready_timeout_s=a.ready_timeout,
             worker_args=tuple(worker_args),
             proxy_args=tuple(shlex.split(a.proxy_args)),
+            is_cpu_split=not a.no_cpu_split,
         )
     except ValueError as e:
         p.error(str(e))  # exit 2

@@ -20,13 +20,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from common.cpu import parse_cpu_list
 from deploy import compose
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "test-token"
 CHECKED_IN = {
-    "docker-compose.yml": "--prefill 1 --decode 1 --gpus 2",
-    "docker-compose.cpu.yml": "--prefill 1 --decode 1 --cpu",
+    "docker-compose.yml": "--prefill 1 --decode 1 --gpus 2 --host-cores 16",
+    "docker-compose.cpu.yml": "--prefill 1 --decode 1 --cpu --host-cores 8",
 }
 SHAPES = {
     "gpu-1p1d": "--prefill 1 --decode 1 --gpus 2",
@@ -36,6 +37,9 @@ SHAPES = {
     "cpu-2p3d-push": "--prefill 2 --decode 3 --cpu --mode push --port 9000",
     "colocated-model-dir": "--prefill 0 --decode 2 --mode colocated --model-dir /srv/models/llama "
     "--kv-cache-memory 40GiB",
+    "cpu-1p1d-2-cores": "--prefill 1 --decode 1 --cpu --host-cores 2",
+    "cpu-2p3d-2-cores-shared": "--prefill 2 --decode 3 --cpu --host-cores 2",
+    "gpu-1p1d-unpinned": "--prefill 1 --decode 1 --gpus 2 --host-cores 0",
 }
 
 
@@ -102,6 +106,7 @@ def check_invariants(config: dict, shape: str) -> None:
         gpu_ids += device["device_ids"]
     assert len(gpu_ids) == len(set(gpu_ids)), f"a GPU is assigned twice: {gpu_ids}"
     assert all(0 <= int(g) < (args.gpus or len(workers)) for g in gpu_ids), gpu_ids
+    check_cpusets(workers, args.host_cores)
 
     ports = {name: int(flag(s["command"], "--port")) for name, s in services.items()}
     assert len(set(ports.values())) == len(ports), f"ports collide: {ports}"
@@ -118,6 +123,29 @@ def check_invariants(config: dict, shape: str) -> None:
     listed = {(a, b) for a, b in zip(command, command[1:]) if a in ("--prefill", "--decode")}
     expected = {(f"--{n.split('-')[0]}", f"http://{n}:{ports[n]}") for n in workers}
     assert listed == expected
+
+
+def check_cpusets(workers: dict, host_cores: int) -> None:
+    """Each worker's cpuset is on the host, its torch threads match it, P and D stay apart."""
+    if host_cores == 0:
+        assert all(
+            "cpuset" not in s and "--cpu-threads" not in s["command"] for s in workers.values()
+        )
+        return
+    cores = {}
+    for name, service in workers.items():
+        cores[name] = parse_cpu_list(service["cpuset"])
+        assert cores[name] <= set(range(host_cores)), (name, service["cpuset"])
+        assert flag(service["command"], "--cpu-threads") == str(len(cores[name]))
+    by_role = {
+        role: set().union(*(c for n, c in cores.items() if n.startswith(role)))
+        for role in ("prefill", "decode")
+    }
+    if host_cores >= 2:
+        assert not by_role["prefill"] & by_role["decode"], cores
+    if len(workers) <= host_cores:
+        every = [c for c in cores.values() for c in c]
+        assert len(every) == len(set(every)), f"two workers share a core: {cores}"
 
 
 @pytest.mark.parametrize("filename", sorted(CHECKED_IN))
@@ -149,6 +177,12 @@ def test_compose_refuses_to_start_without_the_internal_token():
     assert "PDSERVE_INTERNAL_TOKEN" in result.stdout + result.stderr
 
 
+def test_more_workers_than_host_cores_warns():
+    result = run_generator(SHAPES["cpu-2p3d-2-cores-shared"])
+    assert result.returncode == 0, result.stderr
+    assert "warning: 5 workers on 2 cores: some workers share a core" in result.stderr
+
+
 def test_command_line_matches_the_module():
     result = run_generator(SHAPES["gpu-2p6d"])
     assert result.returncode == 0, result.stderr
@@ -164,6 +198,7 @@ def test_command_line_matches_the_module():
         ("--cpu --gpus 2", "--gpus and --cpu exclude each other"),
         ("--prefill 0", "--prefill 0 only works with --mode colocated"),
         ("--decode 0", "at least one decode worker"),
+        ("--host-cores -1", "--host-cores must be >= 0 (0: no pinning), got -1"),
     ],
 )
 def test_bad_shape_exits_2_with_a_clear_message(argv, message):

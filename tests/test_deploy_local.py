@@ -18,10 +18,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from common.cpu import parse_cpu_list
 from tests.servers import ROOT, wait_until
 
 WORKER_ARGS = ["--num-blocks", "64", "--max-model-len", "256"]
-ROW = re.compile(r"^  (\S+)\s+(http://\S+)\s+pid (\d+)\s+log (\S+)$", re.MULTILINE)
+ROW = re.compile(
+    r"^  (\S+)\s+(http://\S+)\s+pid (\d+)\s+(any core|cores? \S+, \d+ threads?)\s+log (\S+)$",
+    re.MULTILINE,
+)
 
 
 def proc_stat(pid: int) -> tuple[str, int, int] | None:
@@ -84,7 +88,11 @@ class Launcher:
     def children(self) -> dict[str, tuple[str, int]]:
         """name → (url, pid), from the banner."""
         rows = ROW.findall(self.out_path.read_text())
-        return {name: (url, int(pid)) for name, url, pid, _ in rows}
+        return {name: (url, int(pid)) for name, url, pid, _, _ in rows}
+
+    def cpu_columns(self) -> dict[str, str]:
+        """name → the banner's cores and threads."""
+        return {name: cpu for name, _, _, cpu, _ in ROW.findall(self.out_path.read_text())}
 
     def wait(self, timeout: float = 120.0) -> int:
         try:
@@ -124,6 +132,20 @@ def assert_banner(launcher: Launcher) -> None:
     assert set(children) == {"proxy", "prefill-0", "decode-0"}, launcher.output()
     pids = {pid for _, pid in children.values()}
     assert pids <= set(launcher.seen), "the banner's pids are the launcher's children"
+    if len(os.sched_getaffinity(0)) < 2:
+        return  # one core: prefill and decode share it
+    cpus = launcher.cpu_columns()
+    assert cpus["proxy"] == "any core", cpus
+    allowed = {name: cpus_allowed(pid) for name, (_, pid) in children.items()}
+    for name in ("prefill-0", "decode-0"):
+        assert cpus[name].split()[1].rstrip(",") == allowed[name], (cpus, allowed)
+    assert not parse_cpu_list(allowed["prefill-0"]) & parse_cpu_list(allowed["decode-0"])
+
+
+def cpus_allowed(pid: int) -> str:
+    """The process's affinity as /proc prints it, e.g. '0' or '0-3'."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return re.search(r"^Cpus_allowed_list:\s*(\S+)$", status, re.MULTILINE).group(1)
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])

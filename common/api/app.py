@@ -32,6 +32,7 @@ from common.api.errors import (
 )
 from common.api.http import error_response, install_error_handlers
 from common.api.metrics import ServerMetrics
+from common.cpu import available_cores, format_cpu_list
 from common.engine.async_engine import AsyncEngine, EngineDeadError
 from common.engine.engine import LLMEngine
 
@@ -79,7 +80,11 @@ class ServerState:
         return self.engine
 
     async def load(self) -> None:
-        engine = AsyncEngine(self.engine_factory, on_death=self.engine_died)
+        engine = AsyncEngine(
+            self.engine_factory,
+            on_death=self.engine_died,
+            num_threads=self.cfg.cpu.effective_threads,
+        )
         try:
             await engine.start()
         except Exception as e:  # noqa: BLE001 — reported by /health and every request
@@ -89,7 +94,14 @@ class ServerState:
         if self.cfg.served_model_name is None:
             self.model_name = Path(engine.engine.config.model.model_dir).name
         self.engine = engine
-        logger.info("%s worker ready: model %s", self.cfg.role, self.model_name)
+        self.metrics.set_cpu(engine.num_threads, len(available_cores()))
+        logger.info(
+            "%s worker ready: model %s, %d torch threads on cores %s",
+            self.cfg.role,
+            self.model_name,
+            engine.num_threads,
+            format_cpu_list(available_cores()),
+        )
 
     def engine_died(self, error: BaseException) -> None:
         """On the event loop, once the engine thread has failed: exit non-zero, soon."""
@@ -165,8 +177,9 @@ def _install_request_ids(app: FastAPI, state: ServerState) -> None:
 def _install_basic_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health():
-        state.require_ready()
-        return {"status": "ok", "role": state.cfg.role}
+        engine = state.require_ready()
+        cpu = {"threads": engine.num_threads, "cores": format_cpu_list(available_cores())}
+        return {"status": "ok", "role": state.cfg.role, "cpu": cpu}
 
     @app.get("/metrics")
     async def metrics():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.config import (
     CacheConfig,
@@ -18,6 +18,7 @@ from common.config import (
     SchedulerConfig,
     TransferConfig,
 )
+from common.cpu import CpuBudget, parse_cpu_list
 
 DEFAULT_PORTS = {"prefill": 8100, "decode": 8200}
 
@@ -33,6 +34,7 @@ class ServerConfig:
     drain_timeout: float = 30.0
     internal_token: str | None = None  # required by the internal routes when set
     log_level: str = "info"
+    cpu: CpuBudget = field(default_factory=CpuBudget)  # applied at startup (common/cpu.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -51,6 +53,13 @@ def parse_size(text: str) -> int:
     value, unit, binary = float(m[1]), m[2].upper(), m[3]
     base = 1024 if binary or not unit else 1000
     return int(value * base ** "_KMGT".index(unit or "_"))
+
+
+def parse_cores(text: str) -> frozenset[int]:
+    try:
+        return parse_cpu_list(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser(role: str) -> argparse.ArgumentParser:
@@ -113,6 +122,7 @@ def build_parser(role: str) -> argparse.ArgumentParser:
         help="force an attention backend (default: flash when it fits, else torch)",
     )
     add("--seed", type=int, default=0, help="seed of the engine's global RNG")
+    _add_cpu_budget(p)
     add(
         "--max-waiting",
         type=int,
@@ -178,6 +188,30 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     return p
 
 
+def _add_cpu_budget(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group(
+        "CPU budget",
+        "Workers that share a machine should not share cores: two processes with one torch "
+        "thread per core each slow each other down (python -m deploy.local splits the cores).",
+    )
+    group.add_argument(
+        "--cpu-cores",
+        type=parse_cores,
+        default=None,
+        metavar="LIST",
+        help="pin the whole process (engine, NIXL/UCX and tokenizer threads) to these cores, "
+        "e.g. 0-1 or 0,2; each must be in the affinity mask it starts with (default: that mask)",
+    )
+    group.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch intra-op threads of the engine (default: one per core of --cpu-cores, or "
+        "OMP_NUM_THREADS when set)",
+    )
+
+
 def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfig]:
     parser = build_parser(role)
     a = parser.parse_args(argv)
@@ -220,6 +254,7 @@ def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, 
             drain_timeout=a.drain_timeout,
             internal_token=a.internal_token or None,
             log_level=a.log_level,
+            cpu=CpuBudget(cores=a.cpu_cores, num_threads=a.cpu_threads),
         )
     except ValueError as e:
         parser.error(str(e))

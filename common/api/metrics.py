@@ -156,9 +156,17 @@ class ServerMetrics:
         self.info = Gauge("pdserve_info", "Server role", ["role"], registry=r)
         self.info.labels(**labels).set(1)
         self.role = role
+        self.cpu_threads = Gauge(
+            "pdserve_cpu_threads", "Torch intra-op threads of the engine thread", registry=r
+        )
+        self.cpu_cores = Gauge("pdserve_cpu_cores", "Cores the process may run on", registry=r)
         self.handshakes = Counter(
             "pdserve_kv_handshakes", "Handshakes with a new KV peer", registry=r
         )
+
+    def set_cpu(self, num_threads: int, num_cores: int) -> None:
+        self.cpu_threads.set(num_threads)
+        self.cpu_cores.set(num_cores)
 
     def count(self, endpoint: str, status: int) -> None:
         self.requests.labels(role=self.role, endpoint=endpoint, status=str(status)).inc()

@@ -16,7 +16,19 @@ import uvicorn
 
 from common.api.app import build_app
 from common.api.cli import parse_args
+from common.cpu import CpuBudget, pin_process, set_torch_interop_threads
 from common.engine.engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+def apply_cpu_budget(budget: CpuBudget) -> None:
+    """Pin the process now, while it has few threads; the engine thread sets its own threads."""
+    if budget.cores is not None:
+        pin_process(budget.cores)
+    if not set_torch_interop_threads(budget.effective_threads):
+        logger.info("torch's inter-op pool was already started; its size stays")
+    logger.info("cpu budget: %s", budget.describe())
 
 
 def main(role: str, argv: list[str] | None = None) -> None:
@@ -25,6 +37,7 @@ def main(role: str, argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    apply_cpu_budget(server_cfg.cpu)
     app = build_app(server_cfg, lambda: LLMEngine(engine_cfg))
     config = uvicorn.Config(
         app,

@@ -7,6 +7,9 @@ runs a model forward. Outputs go back to each request's asyncio queue, one loop 
 NOTE: every torch op of the process runs on this one thread, model loading included. With GNU
 OpenMP, each thread that enters a parallel region gets its own worker team; once there are more
 OpenMP threads than cores, idle workers stop spinning and a decode step runs ~30% slower.
+`torch.set_num_threads` is per thread there too, so `num_threads` (the worker's --cpu-threads)
+is set on this thread, once, before the engine is built; `self.num_threads` is what torch then
+reports here. The process's core affinity is set earlier, at startup (common/cpu.py).
 
     async for out in engine.generate(request_id, prompt_token_ids, params): ...
 
@@ -33,6 +36,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
+from common.cpu import set_torch_threads
 from common.engine.engine import LLMEngine
 from common.engine.output import RequestOutput
 from common.engine.sampling_params import SamplingParams
@@ -84,9 +88,12 @@ class AsyncEngine:
         self,
         engine_factory: Callable[[], LLMEngine],
         on_death: Callable[[BaseException], None] | None = None,
+        num_threads: int | None = None,  # None: torch's default for a new thread
     ):
         self._factory = engine_factory
         self._on_death = on_death
+        self._num_threads_wanted = num_threads
+        self.num_threads: int | None = None  # torch's intra-op threads on the engine thread
         self.engine: LLMEngine | None = None
         # (command, its caller's future or None); guarded by _lock against _close
         self._commands: deque[tuple[Callable[[], None], Future | None]] = deque()
@@ -205,6 +212,7 @@ class AsyncEngine:
     def _run(self, built: Future) -> None:
         try:
             self._fault_step = _fault_step_from_env()
+            self.num_threads = set_torch_threads(self._num_threads_wanted)
             self.engine = self._factory()
         except BaseException as e:  # noqa: BLE001 — handed to start()
             self.error = e
