@@ -19,9 +19,9 @@ QUESTIONS = [
 NEW_TOKENS = 32
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(num_blocks=256, max_model_len=2048)
+@pytest.fixture(scope="module", params=[True, False], ids=["eager", "compiled"])
+def llm(request):
+    return LLM(num_blocks=256, max_model_len=2048, enforce_eager=request.param)
 
 
 @pytest.fixture(scope="module")

@@ -113,6 +113,11 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     )
     add("--seed", type=int, default=0, help="seed of the engine's global RNG")
     add(
+        "--enforce-eager",
+        action="store_true",
+        help="run the model in plain PyTorch: no torch.compile, no CUDA graphs",
+    )
+    add(
         "--max-waiting",
         type=int,
         default=1024,
@@ -189,6 +194,7 @@ def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, 
                 max_model_len=a.max_model_len,
                 attention_backend=a.attention_backend,
                 seed=a.seed,
+                enforce_eager=a.enforce_eager,
             ),
             cache=CacheConfig(
                 block_size=a.block_size,

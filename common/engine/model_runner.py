@@ -12,6 +12,7 @@ import torch
 
 from common.attention.context import ForwardContext, forward_context
 from common.attention.metadata import AttentionMetadata
+from common.engine.compiled import CompiledModel
 from common.engine.request import Request
 from common.engine.sampler import SampledToken, Sampler
 from common.kv_transfer.base import KVConnector
@@ -36,8 +37,10 @@ class ModelRunner:
         sampler: Sampler,
         device: torch.device,
         connector: KVConnector | None = None,
+        enforce_eager: bool = True,
     ):
         self.model = model
+        self.forward = model if enforce_eager else CompiledModel(model, device, kv_caches[0].dtype)
         self.layers = model.attention_layers()
         self.kv_caches = dict(zip(self.layers, kv_caches))
         self.block_size = block_size
@@ -66,7 +69,7 @@ class ModelRunner:
         with forward_context(ctx):
             if transfers:
                 self.connector.start_load_kv(ctx)
-            hidden = self.model(batch.input_ids, batch.positions)
+            hidden = self.forward(batch.input_ids, batch.positions)
             if transfers:
                 self.connector.wait_for_save()
         if not batch.sample_reqs:
