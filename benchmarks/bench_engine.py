@@ -5,7 +5,7 @@ EOS ignored. Output tokens/s of this engine and of transformers in the same run,
 and the fraction of this machine's roofline: per step, max(FLOPs / matmul rate, weight bytes /
 memory rate), with both rates measured here first.
 
-    python benchmarks/bench_engine.py [--concurrency 1 8 32] [--skip-hf]
+    python benchmarks/bench_engine.py [--concurrency 1 8 32] [--skip-hf] [--enforce-eager]
 """
 
 from __future__ import annotations
@@ -100,10 +100,15 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile")
     args = parser.parse_args()
 
     gflops, gbps = measure_matmul_gflops(), measure_memory_gbps()
-    llm = LLM(max_num_seqs=max(args.concurrency), max_num_batched_tokens=2048)
+    llm = LLM(
+        max_num_seqs=max(args.concurrency),
+        max_num_batched_tokens=2048,
+        enforce_eager=args.enforce_eager,
+    )
     model_dir = llm.engine.config.model.model_dir
     costs = model_costs(llm.engine.model)
     g = torch.Generator().manual_seed(0)

@@ -4,7 +4,14 @@ Every decoder layer runs the same compiled code (the layers' weights are graph i
 compile time is that of one layer, not of the whole stack, whatever the model's depth. Shapes
 are dynamic in the token count T; T = 1 is padded to 2 so that no size-1 graph is compiled.
 Attention is the custom op `pdserve::unified_attention`: opaque to the compiler, it runs the
-KV-transfer decorator per layer at run time and skips padded rows.
+KV-transfer decorator per layer at run time and skips padded rows. On CPU in float32 the
+layers' GEMMs run on oneDNN-packed weights (`common.model.packed_linear`).
+
+NOTE (GPU, untested here: no GPU on this project's machines): nothing above assumes a CPU; on
+CUDA the packing is skipped and inductor emits Triton kernels. CUDA graphs are not used yet:
+the attention op reads per-step metadata built in Python (`AttentionMetadata`), so a captured
+decode would need that metadata in static, preallocated tensors per batch bucket, and the
+decorator's connector calls kept outside the captured region (vLLM's piecewise graphs).
 """
 
 from __future__ import annotations
