@@ -8,7 +8,10 @@ threads; the ratios; and the fraction of this machine's roofline: per step,
 max(FLOPs / matmul rate, weight bytes / memory rate), both rates measured here first in that dtype.
 
     python benchmarks/bench_engine.py [--dtype float32 bfloat16] [--concurrency 1 8 32]
-                                      [--skip-hf] [--peer vllm]
+                                      [--skip-hf] [--peer vllm] [--with-eager | --enforce-eager]
+
+The engine runs its compiled forward (the default); `--with-eager` adds a column for the eager
+path (`--enforce-eager`) in the same run, `--enforce-eager` benchmarks the eager path alone.
 """
 
 from __future__ import annotations
@@ -96,9 +99,22 @@ def bench_hf(model_dir, prompts, new_tokens: int, dtype: torch.dtype) -> float:
     return len(prompts) * new_tokens / elapsed
 
 
+def _engine(dtype: str, args, enforce_eager: bool) -> LLM:
+    start = time.perf_counter()
+    llm = LLM(
+        dtype=dtype,
+        max_num_seqs=max(args.concurrency),
+        max_num_batched_tokens=2048,
+        enforce_eager=enforce_eager,
+    )
+    path = "eager" if enforce_eager else "compiled"
+    print(f"  engine ({path}) start-up {time.perf_counter() - start:.1f} s", flush=True)
+    return llm
+
+
 def bench_dtype(args, dtype: str, prompts, vllm_python) -> list[dict]:
     """One row per batch size: this engine, transformers, vLLM and the roofline, in `dtype`."""
-    llm = LLM(dtype=dtype, max_num_seqs=max(args.concurrency), max_num_batched_tokens=2048)
+    llm = _engine(dtype, args, args.enforce_eager)
     torch_dtype = llm.engine.config.model.torch_dtype
     model_dir = llm.engine.config.model.model_dir
     gflops, gbps = measure_matmul_gflops(torch_dtype), measure_memory_gbps()
@@ -113,6 +129,14 @@ def bench_dtype(args, dtype: str, prompts, vllm_python) -> list[dict]:
         print(f"  engine, batch {c}: {ours:.1f} tok/s", flush=True)
         rows.append(dict(dtype=name, batch=c, engine=ours, roofline=roof))
     del llm
+    for row in rows:
+        row["eager"] = float("nan")
+    if args.with_eager:
+        llm = _engine(dtype, args, enforce_eager=True)
+        for row in rows:
+            row["eager"] = bench_ours(llm, prompts[: row["batch"]], args.new_tokens)
+            print(f"  engine eager, batch {row['batch']}: {row['eager']:.1f} tok/s", flush=True)
+        del llm
     for row in rows:
         row["hf"] = float("nan")
         if not args.skip_hf:
@@ -130,14 +154,16 @@ def bench_dtype(args, dtype: str, prompts, vllm_python) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     print(
-        f"{'dtype':>8} | {'batch':>5} | {'engine tok/s':>12} | {'transformers':>12} | "
-        f"{'vLLM':>8} | {'eng/HF':>6} | {'eng/vLLM':>8} | {'of roofline':>11}"
+        f"{'dtype':>8} | {'batch':>5} | {'engine tok/s':>12} | {'eager':>7} | "
+        f"{'transformers':>12} | {'vLLM':>8} | {'eng/eager':>9} | {'eng/HF':>6} | "
+        f"{'eng/vLLM':>8} | {'of roofline':>11}"
     )
     for r in rows:
         e = r["engine"]
         print(
-            f"{r['dtype']:>8} | {r['batch']:>5} | {e:>12.1f} | {r['hf']:>12.1f} | "
-            f"{r['vllm']:>8.1f} | {e / r['hf']:>6.2f} | {e / r['vllm']:>8.2f} | "
+            f"{r['dtype']:>8} | {r['batch']:>5} | {e:>12.1f} | {r['eager']:>7.1f} | "
+            f"{r['hf']:>12.1f} | {r['vllm']:>8.1f} | {e / r['eager']:>9.2f} | "
+            f"{e / r['hf']:>6.2f} | {e / r['vllm']:>8.2f} | "
             f"{e / r['roofline']:>10.0%}"
         )
 
@@ -154,6 +180,8 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--peer", choices=["vllm"], help="also run vLLM (installed once)")
     parser.add_argument("--vllm-version", default="0.32.0")
+    parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile")
+    parser.add_argument("--with-eager", action="store_true", help="also the eager path")
     args = parser.parse_args()
 
     vllm_python = ensure_vllm(args.vllm_version) if args.peer == "vllm" else None

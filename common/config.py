@@ -32,6 +32,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     attention_backend: str | None = None  # None: chosen at run time
     seed: int = 0
+    enforce_eager: bool = False  # True: plain PyTorch; False: torch.compile (CUDA graphs on GPU)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

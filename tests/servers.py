@@ -24,13 +24,17 @@ def free_port() -> int:
 class ServerProcess:
     """A worker runs in float32 unless its args name a dtype: the tests' bitwise comparisons
     (P/D vs colocated, server vs offline engine) hold across computation paths only in fp32,
-    and `--dtype auto` is bf16 on CPUs with native bf16."""
+    and `--dtype auto` is bf16 on CPUs with native bf16. It runs eager unless its args say
+    `--no-enforce-eager`: a compile costs each worker 5-20 s of start-up on 2 cores, and the
+    compiled path has its own tests (parity, P/D push)."""
 
     def __init__(self, role: str, args: list[str], log_path: Path, port: int | None = None):
         self.role = role
         self.args = list(args)
         if role != "proxy" and "--dtype" not in self.args:
             self.args += ["--dtype", "float32"]
+        if role != "proxy" and "--no-enforce-eager" not in self.args:
+            self.args.append("--enforce-eager")
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path

@@ -13,6 +13,10 @@ from tests.tiny_models import ARCHS, VOCAB
 
 NEW_TOKENS = 36
 PROMPT_LENS = (21, 53)  # one and three-plus blocks of 16; 53 + 36 > the Mistral window of 24
+# the compiled path on a subset: each compile costs ~10-20 s on 2 cores. qwen2 after llama in
+# one process checks that a model with q/k/v biases does not run the first model's graph
+COMPILED = ("llama", "qwen2", "qwen3")
+CASES = [(arch, True) for arch in sorted(ARCHS)] + [(arch, False) for arch in COMPILED]
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -20,10 +24,14 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (n,), generator=g).tolist()
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_greedy_matches_transformers(tiny_model, arch):
+@pytest.mark.parametrize(
+    "arch, enforce_eager", CASES, ids=[f"{a}-{'eager' if e else 'compiled'}" for a, e in CASES]
+)
+def test_greedy_matches_transformers(tiny_model, arch, enforce_eager):
     model_dir = tiny_model(arch)
-    llm = LLM(str(model_dir), num_blocks=64, block_size=16, dtype="float32")
+    llm = LLM(
+        str(model_dir), num_blocks=64, block_size=16, dtype="float32", enforce_eager=enforce_eager
+    )
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for i, n in enumerate(PROMPT_LENS):
         prompt = _prompt(n, seed=i)

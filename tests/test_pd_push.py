@@ -17,8 +17,13 @@ def pd(start_server, tiny_model):
     # P prefills in chunks of 32 tokens: long prompts are pushed over several steps. D's
     # colocated reference chunks the same way, so both compute the prompt identically.
     chunks = ["--max-num-batched-tokens", "32", "--no-prefix-caching"]
-    p = start_server("prefill", *common, *chunks)
-    d = start_server("decode", *common, *chunks, "--kv-lease-timeout", "2")
+    # both compiled: the decorator runs inside the attention op of the compiled graph, P's
+    # per-layer WRITEs and D's loads included (the pull tests run eager workers)
+    compiled = "--no-enforce-eager"
+    p = start_server("prefill", *common, *chunks, compiled)
+    d = start_server("decode", *common, *chunks, compiled, "--kv-lease-timeout", "2")
+    for worker in (p, d):
+        assert worker.metric("pdserve_model_compile_seconds") > 0, worker.log()
     return p, d
 
 

@@ -19,9 +19,11 @@ QUESTIONS = [
 NEW_TOKENS = 32
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(num_blocks=256, max_model_len=2048, dtype="float32")  # fp32: see test_bf16_parity
+@pytest.fixture(scope="module", params=[True, False], ids=["eager", "compiled"])
+def llm(request):
+    return LLM(  # fp32: see test_bf16_parity
+        num_blocks=256, max_model_len=2048, dtype="float32", enforce_eager=request.param
+    )
 
 
 @pytest.fixture(scope="module")

@@ -95,12 +95,15 @@ class ServerState:
             self.model_name = Path(engine.engine.config.model.model_dir).name
         self.engine = engine
         self.metrics.set_cpu(engine.num_threads, len(available_cores()))
+        compile_seconds = engine.engine.runner.compile_seconds
+        self.metrics.compile_seconds.set(compile_seconds)
         logger.info(
-            "%s worker ready: model %s, %d torch threads on cores %s",
+            "%s worker ready: model %s, %d torch threads on cores %s, %s",
             self.cfg.role,
             self.model_name,
             engine.num_threads,
             format_cpu_list(available_cores()),
+            f"compiled in {compile_seconds:.1f} s" if compile_seconds else "eager",
         )
 
     def engine_died(self, error: BaseException) -> None:

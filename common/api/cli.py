@@ -124,6 +124,14 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     add("--seed", type=int, default=0, help="seed of the engine's global RNG")
     _add_cpu_budget(p)
     add(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run the model in plain PyTorch: no torch.compile, no packed GEMMs, no CUDA graphs "
+        "(default: compiled at start-up; inductor's cache in TORCHINDUCTOR_CACHE_DIR keeps "
+        "restarts fast)",
+    )
+    add(
         "--max-waiting",
         type=int,
         default=1024,
@@ -224,6 +232,7 @@ def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, 
                 max_model_len=a.max_model_len,
                 attention_backend=a.attention_backend,
                 seed=a.seed,
+                enforce_eager=a.enforce_eager,
             ),
             cache=CacheConfig(
                 block_size=a.block_size,

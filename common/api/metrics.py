@@ -160,6 +160,11 @@ class ServerMetrics:
             "pdserve_cpu_threads", "Torch intra-op threads of the engine thread", registry=r
         )
         self.cpu_cores = Gauge("pdserve_cpu_cores", "Cores the process may run on", registry=r)
+        self.compile_seconds = Gauge(
+            "pdserve_model_compile_seconds",
+            "Seconds the model's compiled forward took to build at start-up (0: eager)",
+            registry=r,
+        )
         self.handshakes = Counter(
             "pdserve_kv_handshakes", "Handshakes with a new KV peer", registry=r
         )

@@ -28,6 +28,10 @@ class ForwardContext:
     kv_caches: dict[str, torch.Tensor]
     connector: KVConnector | None = None
     extra: dict = field(default_factory=dict)
+    layer_names: list[str] = field(init=False)  # by layer index
+
+    def __post_init__(self) -> None:
+        self.layer_names = list(self.layers)
 
 
 _current: ForwardContext | None = None

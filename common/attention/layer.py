@@ -1,6 +1,11 @@
 """The attention layer: the model calls `Attention(q, k, v)`, which calls the decorated
 `unified_attention(query, key, value, layer_name)`; the backend, the KV cache and the step's
 metadata come from the forward context, never from the model.
+
+Under torch.compile the call goes through the custom op `pdserve::unified_attention`, so the
+compiled graph holds one opaque node per layer and the decorator (KV transfer) still runs in
+Python, per layer, at run time. A compiled graph may pad the batch: rows past the step's
+`num_tokens` are neither written to the cache nor attended; their output is zero.
 """
 
 from __future__ import annotations
@@ -9,7 +14,7 @@ import torch
 from torch import nn
 
 from common.attention.backends.base import AttentionBackend
-from common.attention.context import get_attention_context
+from common.attention.context import get_attention_context, get_forward_context
 from common.attention.decorator import maybe_transfer_kv_layer
 
 
@@ -17,6 +22,7 @@ class Attention(nn.Module):
     def __init__(
         self,
         layer_name: str,
+        layer_index: int,
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
@@ -24,6 +30,7 @@ class Attention(nn.Module):
     ):
         super().__init__()
         self.layer_name = layer_name
+        self.layer_index = layer_index  # a graph input, not a constant: layers share one graph
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -33,6 +40,8 @@ class Attention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query (T, Hq*D), key/value (T, Hkv*D) → (T, Hq*D)."""
+        if torch.compiler.is_compiling():
+            return torch.ops.pdserve.unified_attention(query, key, value, self.layer_index)
         return unified_attention(query, key, value, self.layer_name)
 
 
@@ -42,14 +51,31 @@ def unified_attention(
 ) -> torch.Tensor:
     meta, layer, kv_cache = get_attention_context(layer_name)
     assert meta is not None and layer.backend is not None, f"{layer_name}: no metadata or backend"
-    num_tokens = query.shape[0]
+    num_padded, num_tokens = query.shape[0], meta.num_tokens
     out = layer.backend.forward(
-        query.view(num_tokens, layer.num_heads, layer.head_dim),
-        key.view(num_tokens, layer.num_kv_heads, layer.head_dim),
-        value.view(num_tokens, layer.num_kv_heads, layer.head_dim),
+        query[:num_tokens].view(num_tokens, layer.num_heads, layer.head_dim),
+        key[:num_tokens].view(num_tokens, layer.num_kv_heads, layer.head_dim),
+        value[:num_tokens].view(num_tokens, layer.num_kv_heads, layer.head_dim),
         kv_cache,
         meta,
         layer.scale,
         layer.sliding_window,
-    )
-    return out.reshape(num_tokens, layer.num_heads * layer.head_dim)
+    ).reshape(num_tokens, -1)
+    if num_padded == num_tokens:
+        return out
+    return torch.cat([out, out.new_zeros(num_padded - num_tokens, out.shape[1])])
+
+
+@torch.library.custom_op("pdserve::unified_attention", mutates_args=())
+def _unified_attention_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_index: int
+) -> torch.Tensor:
+    # NOTE: the KV cache is written through the forward context, not an argument: the op is
+    # opaque to the compiler, and its data dependence on the previous layer keeps the order
+    layer_name = get_forward_context().layer_names[layer_index]
+    return unified_attention(query, key, value, layer_name)
+
+
+@_unified_attention_op.register_fake
+def _(query, key, value, layer_index):
+    return torch.empty_like(query)

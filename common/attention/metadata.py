@@ -24,6 +24,10 @@ class AttentionMetadata:
     memo: dict = field(default_factory=dict)  # per-step values a backend derives once
 
     @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]
+
+    @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 

@@ -80,7 +80,13 @@ class LLMEngine:
         kv = KVCacheManager(self.pool, cc.block_size)
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len, eos, self.connector)
         self.runner = ModelRunner(
-            self.model, self.kv_caches, cc.block_size, Sampler(eos), self.device, self.connector
+            self.model,
+            self.kv_caches,
+            cc.block_size,
+            Sampler(eos),
+            self.device,
+            self.connector,
+            enforce_eager=mc.enforce_eager,
         )
         self._ready: list[Request] = []  # finished outside a step, reported by the next one
         self._awaiting: list[tuple[Request, float]] = []  # pushed KV still arriving; deadline

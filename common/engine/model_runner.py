@@ -6,16 +6,21 @@ whose computed tokens catch up with its known tokens this step is sampled.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
 from common.attention.context import ForwardContext, forward_context
 from common.attention.metadata import AttentionMetadata
+from common.engine.compiled import CompiledModel
 from common.engine.request import Request
 from common.engine.sampler import SampledToken, Sampler
 from common.kv_transfer.base import KVConnector
 from common.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,8 +41,10 @@ class ModelRunner:
         sampler: Sampler,
         device: torch.device,
         connector: KVConnector | None = None,
+        enforce_eager: bool = True,
     ):
         self.model = model
+        self.forward = model if enforce_eager else CompiledModel(model, device, kv_caches[0].dtype)
         self.layers = model.attention_layers()
         self.kv_caches = dict(zip(self.layers, kv_caches))
         self.block_size = block_size
@@ -46,6 +53,30 @@ class ModelRunner:
         self.connector = connector
         if connector is not None:
             connector.register_kv_caches(self.kv_caches)
+        self.compile_seconds = 0.0 if enforce_eager else self.warm_up()
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Compile now, at start-up, not on the first request: one dummy 2-token forward (the
+        graph is dynamic in the token count). Its KV lands in block 0, which no request holds
+        yet. Returns the seconds it took."""
+        start = time.perf_counter()
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor([0, 1]),
+            query_start_loc=[0, 2],
+            seq_lens=[2],
+            block_table=self._tensor([0]).view(1, 1),
+            seq_lens_tensor=self._tensor([2]),
+            num_decodes=0,
+            block_size=self.block_size,
+            request_ids=["warm-up"],
+        )
+        with forward_context(ForwardContext(meta, self.layers, self.kv_caches)):
+            hidden = self.forward(self._tensor([0, 0]), self._tensor([0, 1]))
+        self.model.compute_logits(hidden)
+        seconds = time.perf_counter() - start
+        logger.info("model compiled in %.1f s", seconds)
+        return seconds
 
     @torch.inference_mode()
     def execute(
@@ -66,7 +97,7 @@ class ModelRunner:
         with forward_context(ctx):
             if transfers:
                 self.connector.start_load_kv(ctx)
-            hidden = self.model(batch.input_ids, batch.positions)
+            hidden = self.forward(batch.input_ids, batch.positions)
             if transfers:
                 self.connector.wait_for_save()
         if not batch.sample_reqs:

@@ -43,12 +43,19 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions (T,), q (T, Hq, D), k (T, Hkv, D) → rotated q, k."""
-        if positions is not self._positions:  # every layer of a step shares one lookup
-            self._positions = positions
-            self._cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (T, 1, D)
-            self._sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        cos, sin = self._cos, self._sin
+        if torch.compiler.is_compiling():  # the compiler fuses the lookup into the rotation
+            cos, sin = self._lookup(positions, q.dtype)
+        else:
+            if positions is not self._positions:  # every layer of a step shares one lookup
+                self._positions = positions
+                self._cos, self._sin = self._lookup(positions, q.dtype)
+            cos, sin = self._cos, self._sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def _lookup(self, positions: torch.Tensor, dtype: torch.dtype):
+        """(cos, sin), each (T, 1, D)."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        return cos, self.sin[positions].unsqueeze(1).to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ class SelfAttention(nn.Module):
         self.rope = rope
         self.attn = Attention(
             f"model.layers.{layer_idx}.self_attn.attn",
+            layer_idx,
             cfg.num_heads,
             cfg.num_kv_heads,
             cfg.head_dim,
@@ -82,6 +83,7 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
+        self.packed_head: nn.Module | None = None  # set by the compiled path on CPU
 
     def attention_layers(self) -> dict[str, Attention]:
         return {layer.self_attn.attn.layer_name: layer.self_attn.attn for layer in self.layers}
@@ -95,5 +97,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, hidden) → logits (N, vocab) in float32."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.packed_head is not None:
+            return self.packed_head(hidden).float()
+        return F.linear(hidden, self.head_weight).float()
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
