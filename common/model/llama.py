@@ -54,6 +54,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if torch.compiler.is_compiling():
+            # NOTE: out of place: an in-place SiLU on half of a buffer makes inductor rewrite
+            # the whole buffer under a mask (8 ms a layer at 2048 bf16 tokens instead of ~1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 

