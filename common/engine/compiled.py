@@ -17,7 +17,9 @@ decorator's connector calls kept outside the captured region (vLLM's piecewise g
 
 from __future__ import annotations
 
+import functools
 import logging
+import types
 
 import torch
 from torch import nn
@@ -28,12 +30,24 @@ logger = logging.getLogger(__name__)
 
 
 def compile_layers(model: nn.Module) -> None:
-    """Compile each decoder layer in place (lazily: on its first call)."""
-    # NOTE: the module guards stay (~0.1-0.4 ms a layer call): skipping them
-    # (skip_guard_on_all_nn_modules_unsafe) let a second model in the same process, e.g. one
-    # with q/k/v biases, run the first model's graph
+    """Compile the decoder layers' forward in place (lazily: on the first call), one graph
+    shared by every layer of this model."""
+    # NOTE: dynamo caches graphs per code object; a copy of the layer's code per model keeps
+    # another model in the process (other biases, other shapes) off this model's graph, which
+    # is what makes skipping the module guards safe: they cost ~0.16 ms a layer call (4.8 ms a
+    # decode step of SmolLM2, a quarter of it at batch 1)
+    forward = type(model.layers[0]).forward
+    own = types.FunctionType(
+        forward.__code__.replace(), forward.__globals__, forward.__name__, forward.__defaults__
+    )
+    compiled = torch.compile(
+        own,
+        dynamic=True,
+        fullgraph=True,
+        options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+    )
     for layer in model.layers:
-        layer.compile(dynamic=True, fullgraph=True)
+        layer.forward = functools.partial(compiled, layer)
 
 
 class CompiledModel:
