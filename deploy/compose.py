@@ -189,6 +189,8 @@ def worker_service(
         "restart": "unless-stopped",
         "environment": {
             "PDSERVE_CACHE_DIR": CACHE_DIR,
+            # the compiled forward's kernels: a restarted worker skips most of the compile
+            "TORCHINDUCTOR_CACHE_DIR": f"{CACHE_DIR}/inductor",
             "PDSERVE_INTERNAL_TOKEN": TOKEN,
             "UCX_TLS": UCX_TLS["cpu" if shape.is_cpu else "cuda"],
             "UCX_NET_DEVICES": "eth0",
