@@ -25,13 +25,7 @@ class CompletionOutput:
     logprobs: list[SampledToken] | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def delta_logprobs(self) -> list[SampledToken]:
-        """Logprobs of `delta_token_ids` (empty when none were requested)."""
-        if not self.logprobs or not self.delta_token_ids:
-            return []
-        return self.logprobs[len(self.logprobs) - len(self.delta_token_ids) :]
+    delta_logprobs: list[SampledToken] = field(default_factory=list)  # empty: none requested
 
 
 @dataclass
@@ -109,8 +103,13 @@ class OutputProcessor:
         num_chars = max(track.num_sent_chars, len(track.text) - hold)
         delta_text = track.text[track.num_sent_chars : num_chars]
         delta_tokens = req.output_token_ids[track.num_sent_tokens :]
+        # NOTE: copies, not the request's lists: the engine thread appends to those while the
+        # event loop still formats this output (a stream then named later tokens' strings)
+        logprobs = None
+        if req.sampling_params.logprobs is not None:
+            logprobs = list(req.output_logprobs)
+        delta_logprobs = logprobs[len(logprobs) - len(delta_tokens) :] if logprobs else []
         track.num_sent_chars, track.num_sent_tokens = num_chars, req.num_output_tokens
-        logprobs = req.output_logprobs if req.sampling_params.logprobs is not None else None
         return CompletionOutput(
             index=0,
             text=track.text,
@@ -120,4 +119,5 @@ class OutputProcessor:
             logprobs=logprobs,
             delta_text=delta_text,
             delta_token_ids=delta_tokens,
+            delta_logprobs=delta_logprobs,
         )
