@@ -10,9 +10,12 @@ fp32 up to 2.2%; on the tiny models 2.1%. 5% leaves margin over both without hid
 (a wrong rope or mask moves logits by tens of percent of the range). fp32 parity stays in
 test_smollm2.py and test_model_parity.py at 1e-4 / 1e-5.
 
-Tokens: on SmolLM2 the first 16 greedy tokens must equal on every chat prompt (a paged bf16
-implementation was seen to diverge at step 19; here "Write a haiku" diverges at step 17, where
-transformers' top-1/top-2 gap is 0.125, one bf16 step at that logit size). The tiny random models
+Tokens: on SmolLM2 the first 16 greedy tokens must equal on every chat prompt, except where
+transformers' own top-1/top-2 gap is at most one bf16 step at that logit size: a tie below the
+dtype's resolution, which two correct implementations may break either way ("Write a haiku"
+parts at step 17 with a gap of 0.125; the eager path parts on "Explain in one sentence what a
+GPU does." at step 11, transformers 20.875 vs 20.75, the engine 20.875 for both). Tokens are
+compared up to that step only, logits up to and including it. The tiny random models
 cannot pass that bar in bf16: their top-1/top-2 gaps (1e-4..6e-3 at a logit range of ~1.4) lie
 below bf16's resolution, and transformers' own bf16 run leaves its fp32 run before 16 tokens on
 most of their prompts. So there, on the same prompts as the fp32 test (none picked), tokens must
@@ -21,6 +24,8 @@ top-1 (a near-tie), and the assertion message reports that gap.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -62,9 +67,20 @@ def test_smollm2_bf16_first_16_tokens_match_transformers_bf16(enforce_eager):
         tokens, logits = engine_greedy(llm, prompt, NEW_TOKENS)
         hf_tokens, hf_logits = hf_greedy(hf, prompt, NEW_TOKENS, pad_id=2)
         k = _first_divergence(tokens, hf_tokens)
-        assert k == NEW_TOKENS, f"{question!r}: greedy tokens differ at step {k}"
-        _check_logits(logits, hf_logits, NEW_TOKENS, repr(question))
+        _check_logits(logits, hf_logits, min(k + 1, NEW_TOKENS), repr(question))
+        if k < NEW_TOKENS:  # only a tie below bf16's resolution may part the two greedy paths
+            step = hf_logits[k].float()
+            top, ours = step[hf_tokens[k]].item(), step[tokens[k]].item()
+            assert top - ours <= _bf16_ulp(top), (
+                f"{question!r}: step {k} picks {tokens[k]} ({ours}), transformers "
+                f"{hf_tokens[k]} ({top}): more than one bf16 step apart"
+            )
     assert llm.engine.pool.num_used_blocks == 0
+
+
+def _bf16_ulp(x: float) -> float:
+    """The spacing of bfloat16 numbers at |x| (8 significant bits)."""
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
