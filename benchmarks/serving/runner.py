@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import httpx
 import numpy as np
+from tqdm import tqdm
 
 from benchmarks.serving import prometheus
 from benchmarks.serving.client import Endpoint, RequestRecord, auth_headers, send_request
 from benchmarks.serving.datasets import SampleRequest
-from benchmarks.serving.progress import ProgressBar
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ async def run_benchmark(
         await _warm_up(client, endpoint, samples[0], load, slots)
     headers = auth_headers(endpoint.api_key)
     before = await prometheus.scrape(client, endpoint.base_url, headers)
-    bar = ProgressBar(len(samples), "requests", load.show_progress)
+    bar = tqdm(total=len(samples), desc="requests", disable=not load.show_progress)
     t0 = time.perf_counter()
     deadline = t0 + load.duration if load.duration else math.inf
 
@@ -121,7 +121,7 @@ async def _warm_up(
     slots: asyncio.Semaphore | None,
 ) -> None:
     """`num_warmups` copies of the first request, not counted anywhere."""
-    bar = ProgressBar(load.num_warmups, "warm-up", load.show_progress)
+    bar = tqdm(total=load.num_warmups, desc="warm-up", disable=not load.show_progress)
 
     async def one() -> RequestRecord:
         async with slots or contextlib.nullcontext():
