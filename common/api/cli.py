@@ -67,7 +67,16 @@ def build_parser(role: str) -> argparse.ArgumentParser:
         prog=f"python -m {role}_server",
         description=f"The {role} worker: an OpenAI-compatible server.",
     )
-    add = p.add_argument
+    _add_model_args(p)
+    _add_scheduler_args(p)
+    _add_server_args(p, role)
+    _add_kv_transfer_args(p)
+    _add_cpu_budget(p)
+    return p
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    add = p.add_argument_group("model").add_argument
     add(
         "--model",
         default=None,
@@ -79,8 +88,6 @@ def build_parser(role: str) -> argparse.ArgumentParser:
         default=None,
         help="the model id clients send (default: the model folder's name)",
     )
-    add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    add("--port", type=int, default=DEFAULT_PORTS[role], help="port (default %(default)s)")
     add("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
     add(
         "--dtype",
@@ -88,20 +95,32 @@ def build_parser(role: str) -> argparse.ArgumentParser:
         help="auto (bf16 on CUDA and on CPUs with avx512_bf16/amx_bf16, else fp32), "
         "float32, float16, bfloat16",
     )
-    add("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     add(
         "--max-model-len",
         type=int,
         default=None,
         help="longest prompt + output in tokens (default: the model's limit)",
     )
-    add("--max-num-seqs", type=int, default=256, help="most requests in one batch")
     add(
-        "--max-num-batched-tokens",
-        type=int,
-        default=2048,
-        help="token budget of one step (prefills are chunked to it)",
+        "--attention-backend",
+        default=None,
+        choices=["torch", "flash"],
+        help="force an attention backend (default: flash when it fits, else torch)",
     )
+    add(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run the model in plain PyTorch: no torch.compile, no packed GEMMs, no CUDA graphs "
+        "(default: compiled at start-up; inductor's cache in TORCHINDUCTOR_CACHE_DIR keeps "
+        "restarts fast)",
+    )
+    add("--seed", type=int, default=0, help="seed of the engine's global RNG")
+
+
+def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
+    add = p.add_argument_group("KV cache and scheduler").add_argument
+    add("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     add(
         "--num-blocks",
         type=int,
@@ -115,22 +134,19 @@ def build_parser(role: str) -> argparse.ArgumentParser:
         help="KV cache budget, e.g. 2GiB (default 1GiB)",
     )
     add("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    add("--max-num-seqs", type=int, default=256, help="most requests in one batch")
     add(
-        "--attention-backend",
-        default=None,
-        choices=["torch", "flash"],
-        help="force an attention backend (default: flash when it fits, else torch)",
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget of one step (prefills are chunked to it)",
     )
-    add("--seed", type=int, default=0, help="seed of the engine's global RNG")
-    _add_cpu_budget(p)
-    add(
-        "--enforce-eager",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="run the model in plain PyTorch: no torch.compile, no packed GEMMs, no CUDA graphs "
-        "(default: compiled at start-up; inductor's cache in TORCHINDUCTOR_CACHE_DIR keeps "
-        "restarts fast)",
-    )
+
+
+def _add_server_args(p: argparse.ArgumentParser, role: str) -> None:
+    add = p.add_argument_group("HTTP server").add_argument
+    add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    add("--port", type=int, default=DEFAULT_PORTS[role], help="port (default %(default)s)")
     add(
         "--max-waiting",
         type=int,
@@ -149,6 +165,17 @@ def build_parser(role: str) -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM, seconds in-flight requests get to finish before they are aborted",
     )
+    add(
+        "--internal-token",
+        default=os.environ.get("PDSERVE_INTERNAL_TOKEN"),
+        help="cluster token: internal routes (handshake, reserve, release) refuse requests "
+        "without it, and peers are sent it (default: env PDSERVE_INTERNAL_TOKEN)",
+    )
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
+    add = p.add_argument_group("KV transfer").add_argument
     add(
         "--kv-connector",
         default="nixl",
@@ -181,19 +208,11 @@ def build_parser(role: str) -> argparse.ArgumentParser:
         help="decode: when KV does not arrive, fail the request or compute the prompt locally",
     )
     add(
-        "--internal-token",
-        default=os.environ.get("PDSERVE_INTERNAL_TOKEN"),
-        help="cluster token: internal routes (handshake, reserve, release) refuse requests "
-        "without it, and peers are sent it (default: env PDSERVE_INTERNAL_TOKEN)",
-    )
-    add(
         "--kv-checksum",
         action="store_true",
         help="prefill: send a checksum per layer and block with the KV; decode: verify "
         "received KV before decoding (a mismatch is a failed load: --kv-load-failure-policy)",
     )
-    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return p
 
 
 def _add_cpu_budget(p: argparse.ArgumentParser) -> None:
