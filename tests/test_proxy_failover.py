@@ -65,19 +65,25 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error(cluster):
     with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body, timeout=30) as r:
         lines = (line for line in r.iter_lines() if line)
         events.append(next(lines))
-        serving = next(d for d in ds if d.metric("pdserve_num_requests_running") == 1)
+        # NOTE: the first event can be P's token, streamed before D has admitted the request
+        assert wait_until(lambda: _running(ds))
+        serving = _running(ds)[0]  # 470 tokens to go: it is still running
         serving.stop(signal.SIGKILL)
         events.extend(lines)  # must end: a hang fails on the read timeout
     assert time.monotonic() - started < 30
     assert events[-1] == "data: [DONE]"
     error = json.loads(events[-2].removeprefix("data: "))["error"]
     assert "decode worker failed" in error["message"] and error["code"] == 502
-    assert proxy.metric("pdserve_proxy_stream_errors_total") == 1
+    assert wait_until(lambda: proxy.metric("pdserve_proxy_stream_errors_total") == 1)
     survivor = next(d for d in ds if d is not serving)
     assert complete(proxy.url, PROMPTS[1]) == complete(survivor.url, PROMPTS[1])
     assert wait_until(lambda: ready(proxy)["status"] == 200)
     for s in (ps[1], survivor):
         assert wait_until(lambda s=s: s.metric("pdserve_kv_blocks_used") == 0), s.url
+
+
+def _running(workers) -> list:
+    return [w for w in workers if w.metric("pdserve_num_requests_running") == 1]
 
 
 def test_without_prefill_workers_requests_go_to_decode_and_readiness_drops(cluster):
