@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from common.api.errors import APIError, InvalidRequestError, NotFoundError
 from common.api.http import json_body_openapi, read_json_body
+from proxy.state import Proxy, check_key
 from proxy.workers import Worker, check_worker_url
 
 
@@ -35,9 +36,7 @@ class WorkerRef(BaseModel):
     url: str
 
 
-def install_admin_routes(app: FastAPI, proxy) -> None:
-    from proxy.app import check_key
-
+def install_admin_routes(app: FastAPI, proxy: Proxy) -> None:
     async def authorized(request: Request) -> None:
         key = proxy.cfg.effective_admin_key
         if key is None:

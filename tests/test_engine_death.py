@@ -7,7 +7,7 @@ import contextlib
 
 import httpx
 
-from common.api.app import ENGINE_DEAD_EXIT_CODE
+from common.api.state import ENGINE_DEAD_EXIT_CODE
 from common.engine.async_engine import FAULT_STEP_ENV
 from tests.servers import ServerProcess, wait_until
 

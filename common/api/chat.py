@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from common.api.app import ServerState
 from common.api.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -32,6 +31,7 @@ from common.api.serving import (
     sse_error,
     validate_params,
 )
+from common.api.state import ServerState
 from common.tokenizer import Tokenizer
 
 

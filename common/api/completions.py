@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from common.api.app import ServerState
 from common.api.errors import InvalidRequestError
 from common.api.protocol import (
     CompletionChoice,
@@ -35,6 +34,7 @@ from common.api.serving import (
     sse_error,
     validate_params,
 )
+from common.api.state import ServerState
 from common.engine.engine import LLMEngine
 
 

@@ -26,7 +26,6 @@ import httpx
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field, ValidationError
 
-from common.api.app import ServerState
 from common.api.errors import (
     AuthenticationError,
     InvalidRequestError,
@@ -35,6 +34,7 @@ from common.api.errors import (
 )
 from common.api.http import json_body_openapi, read_json_body
 from common.api.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from common.api.state import ServerState
 from common.kv_cache.block_pool import NoFreeBlocksError
 from common.kv_transfer.handshake import (
     HandshakeInfo,

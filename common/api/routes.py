@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
-from common.api.app import ServerState
 from common.api.chat import create_chat_completion
 from common.api.completions import create_completion
 from common.api.http import json_body_openapi, read_json_body
 from common.api.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from common.api.state import ServerState
 
 
 def install_openai_routes(app: FastAPI, state: ServerState) -> None:

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from common.api.app import ServerState
 from common.api.errors import (
     APIError,
     InvalidRequestError,
@@ -24,6 +23,8 @@ from common.api.errors import (
     ServerError,
     UnavailableError,
 )
+from common.api.internal import check_internal_token, ensure_peer, ensure_push_target
+from common.api.state import ServerState
 from common.engine.async_engine import AsyncEngine, EngineDeadError
 from common.engine.output import RequestOutput
 from common.engine.sampling_params import SamplingParams
@@ -214,8 +215,6 @@ async def resolve_kv_params(state: ServerState, raw: dict | None, request: Reque
     """The request's kv_transfer_params, once a remote prefill's peer is known (handshake);
     None when the prompt will be computed here instead. With a cluster token they need it too:
     they make this worker call the peer they name, token attached."""
-    from common.api.internal import check_internal_token, ensure_peer, ensure_push_target
-
     if raw is not None:
         check_internal_token(state, request)
     if wants_remote_decode(raw) and raw.get("push_to"):
