@@ -41,13 +41,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # before nixl is imported
 
-from tests.servers import ServerProcess  # noqa: E402
+from deploy.processes import ServerProcess  # noqa: E402
 
 # SmolLM2-135M: 30 layers, 3 KV heads of 64, fp32 on CPU; the server's default block size
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
 NUM_BLOCKS = 600
 VOCAB_LOW, VOCAB_HIGH = 100, 49152
 SERVER_ARGS = ["--max-model-len", "4096", "--num-blocks", str(NUM_BLOCKS), "--log-level", "warning"]
+SERVER_ARGS += ["--dtype", "float32", "--enforce-eager"]  # fp32 KV as above; no compile wait
 D_MAX_TOKENS = 4  # P's first token + a few decoded by D
 
 

@@ -31,7 +31,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.servers import ServerProcess, wait_until  # noqa: E402
+from deploy.processes import ServerProcess, wait_until  # noqa: E402
 
 WORDS = ["the", "of", "prefill", "decode", "cache", "block", "layer", "token", "stream", "model"]
 WORDS += ["serve", "river", "sky", "blue", "why", "is", "green", "how", "many", "layers"]
@@ -39,6 +39,8 @@ WORDS += ["serve", "river", "sky", "blue", "why", "is", "green", "how", "many", 
 
 def start_cluster(stack: ExitStack, logs: Path, model_args: list[str]) -> tuple[list, object]:
     common = [*model_args, "--max-model-len", "512", "--kv-lease-timeout", "20"]
+    if "--dtype" not in common:  # as the P/D tests: fp32 on every CPU
+        common += ["--dtype", "float32"]
     roles = ("prefill", "prefill", "decode", "decode")
     workers = []
     for i, role in enumerate(roles):
@@ -138,8 +140,10 @@ def main() -> None:
         "outcomes": dict(outcomes),
         "warmup_requests": sum(warm.values()),
         "leaked_blocks": dict(zip(["P0", "P1", "D0", "D1"], leaked)),
-        "rss_mib": {n: [round(a, 1), round(b, 1)] for n, a, b in
-                    zip(["P0", "P1", "D0", "D1"], rss_start, rss_end)},  # fmt: skip
+        "rss_mib": {
+            n: [round(a, 1), round(b, 1)]
+            for n, a, b in zip(["P0", "P1", "D0", "D1"], rss_start, rss_end)
+        },  # fmt: skip
         "logs": str(logs),
     }
     report(ledger)

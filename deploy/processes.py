@@ -6,6 +6,9 @@ group, so nothing it spawned is left behind. Stopping is SIGTERM to every group,
 (the workers drain), then SIGKILL to the groups still alive. `Supervisor.stop` is idempotent and
 also runs at exit; on Linux each child also gets SIGTERM if the launcher itself dies (SIGKILL
 included), through the kernel's parent-death signal.
+
+`ServerProcess` is one worker or proxy on loopback for tests and benchmarks: started at once,
+`wait_ready` for /health (or /ready), `metric` reads /metrics, `stop`/`restart` by signal.
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ import contextlib
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import httpx
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -129,3 +135,89 @@ class Supervisor:
 def _signal_group(child: Child, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(child.pid, sig)  # the child leads its own group (start_new_session)
+
+
+# -- one server on loopback, started and waited for (tests and benchmarks) ---------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m {role}_server` (or `-m proxy`) on loopback with `args`, its output in
+    `log_path`; started at once, `wait_ready` waits for it."""
+
+    def __init__(self, role: str, args: list[str], log_path: Path, port: int | None = None):
+        self.role = role
+        self.args = list(args)
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 — closed in stop()
+        self.proc = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen:
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        module = "proxy" if self.role == "proxy" else f"{self.role}_server"
+        cmd = [sys.executable, "-m", module, "--port", str(self.port), *self.args]
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def restart(self, sig: int = signal.SIGKILL) -> ServerProcess:
+        """Stop the process (SIGKILL by default) and start a new one on the same port with the
+        same arguments (a worker's new process has a new engine id); not waited for."""
+        self.stop(sig)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 — closed in stop()
+        self.proc = self._spawn()
+        return self
+
+    def wait_ready(self, timeout: float = 120.0, path: str = "/health") -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}{path}", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"server not ready in {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def metric(self, name: str, default: float | None = None) -> float:
+        """A sample from /metrics: `name` or `name{label="value",...}` as exposed."""
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+        if default is not None:
+            return default
+        raise KeyError(name)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.send_signal(signal.SIGCONT)  # a frozen process acts on it only once thawed
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def wait_until(predicate, timeout: float = 15.0, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
