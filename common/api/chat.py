@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from common.api.protocol import (
     ChatChoice,
@@ -21,15 +21,15 @@ from common.api.protocol import (
 from common.api.serving import (
     Job,
     admit,
-    collect,
     final_kv_params,
     new_request_id,
     num_tokens_sent_before,
     resolve_kv_params,
+    respond,
     run_jobs,
     sse,
-    sse_error,
     validate_params,
+    wants_usage,
 )
 from common.api.state import ServerState
 from common.tokenizer import Tokenizer
@@ -49,14 +49,10 @@ async def create_chat_completion(
     admit(state, engine, [job])
     response_id = f"chatcmpl-{request.state.request_id}"
     outputs = run_jobs(state, engine, [job])
-    if req.stream:
-        return StreamingResponse(
-            _stream(state, req, response_id, job, outputs), media_type="text/event-stream"
-        )
-    items = await collect(request, outputs)
-    if items is None:
-        return Response(status_code=499)  # the client is gone; nobody reads this
-    return JSONResponse(_response(state, req, response_id, job, items))
+    stream = _stream(state, req, response_id, job, outputs) if req.stream else None
+    return await respond(
+        request, outputs, stream, lambda items: _response(state, req, response_id, job, items)
+    )
 
 
 def _prompt_ids(tokenizer: Tokenizer, req: ChatCompletionRequest) -> list[int]:
@@ -108,43 +104,35 @@ async def _stream(
         )
         return sse(body.model_dump_json(exclude_none=True))
 
-    try:
-        async for _, out in outputs:
-            for c in out.outputs:
-                if c.index not in started:  # OpenAI: the role comes first, alone
-                    started.add(c.index)
-                    prompt_ids = job.prompt_token_ids if req.return_token_ids else None
-                    yield chunk(
-                        ChatStreamChoice(
-                            index=c.index, delta=DeltaMessage(role="assistant", content="")
-                        ),
-                        prompt_token_ids=prompt_ids if len(started) == 1 else None,
-                    )
-                if not (c.delta_text or c.delta_token_ids or c.finish_reason):
-                    continue
-                num_tokens += len(c.delta_token_ids)
+    async for _, out in outputs:
+        for c in out.outputs:
+            if c.index not in started:  # OpenAI: the role comes first, alone
+                started.add(c.index)
+                prompt_ids = job.prompt_token_ids if req.return_token_ids else None
                 yield chunk(
                     ChatStreamChoice(
-                        index=c.index,
-                        delta=DeltaMessage(content=c.delta_text or None),
-                        logprobs=chat_logprobs(tokenizer, c.delta_logprobs)
-                        if req.logprobs
-                        else None,
-                        finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
-                        token_ids=c.delta_token_ids if req.return_token_ids else None,
-                    )
+                        index=c.index, delta=DeltaMessage(role="assistant", content="")
+                    ),
+                    prompt_token_ids=prompt_ids if len(started) == 1 else None,
                 )
-        if req.stream_options and req.stream_options.include_usage:
-            body = ChatCompletionStreamResponse(
-                id=response_id, model=state.model_name, choices=[], usage=_usage(job, num_tokens)
+            if not (c.delta_text or c.delta_token_ids or c.finish_reason):
+                continue
+            num_tokens += len(c.delta_token_ids)
+            yield chunk(
+                ChatStreamChoice(
+                    index=c.index,
+                    delta=DeltaMessage(content=c.delta_text or None),
+                    logprobs=chat_logprobs(tokenizer, c.delta_logprobs) if req.logprobs else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    token_ids=c.delta_token_ids if req.return_token_ids else None,
+                )
             )
-            yield sse(body.model_dump_json(exclude_none=True))
-    except Exception as e:  # noqa: BLE001 — the status is sent: report in the stream
-        yield sse_error(e)
-    finally:
-        await outputs.aclose()
-    yield "data: [DONE]\n\n"
+    if wants_usage(req):
+        body = ChatCompletionStreamResponse(
+            id=response_id, model=state.model_name, choices=[], usage=_usage(job, num_tokens)
+        )
+        yield sse(body.model_dump_json(exclude_none=True))
 
 
 def _usage(job: Job, completion_tokens: int) -> UsageInfo:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from common.api.errors import InvalidRequestError
 from common.api.protocol import (
@@ -24,15 +24,15 @@ from common.api.serving import (
     Job,
     admit,
     check_token_ids,
-    collect,
     final_kv_params,
     new_request_id,
     num_tokens_sent_before,
     resolve_kv_params,
+    respond,
     run_jobs,
     sse,
-    sse_error,
     validate_params,
+    wants_usage,
 )
 from common.api.state import ServerState
 from common.engine.engine import LLMEngine
@@ -58,14 +58,10 @@ async def create_completion(
     admit(state, engine, jobs)
     response_id = f"cmpl-{request.state.request_id}"
     outputs = run_jobs(state, engine, jobs)
-    if req.stream:
-        return StreamingResponse(
-            _stream(state, req, response_id, jobs, outputs), media_type="text/event-stream"
-        )
-    items = await collect(request, outputs)
-    if items is None:
-        return Response(status_code=499)  # the client is gone; nobody reads this
-    return JSONResponse(_response(state, req, response_id, jobs, items))
+    stream = _stream(state, req, response_id, jobs, outputs) if req.stream else None
+    return await respond(
+        request, outputs, stream, lambda items: _response(state, req, response_id, jobs, items)
+    )
 
 
 def _prompt_ids(llm: LLMEngine, prompt: str | list[int]) -> list[int]:
@@ -121,45 +117,37 @@ async def _stream(
     tokenizer = state.engine.engine.tokenizer
     num_chars: dict[int, int] = {}
     num_tokens = num_tokens_sent_before(jobs[0])
-    try:
-        async for job, out in outputs:
-            for c in out.outputs:
-                if not (c.delta_text or c.delta_token_ids or c.finish_reason):
-                    continue
-                index = job.choice_offset + c.index
-                first = index not in num_chars
-                logprobs = (
-                    completion_logprobs(tokenizer, c.delta_logprobs, num_chars.get(index, 0))
-                    if req.logprobs is not None
-                    else None
-                )
-                num_chars[index] = num_chars.get(index, 0) + len(c.delta_text)
-                num_tokens += len(c.delta_token_ids)
-                choice = CompletionStreamChoice(
-                    index=index,
-                    text=c.delta_text,
-                    logprobs=logprobs,
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                    prompt_token_ids=(
-                        job.prompt_token_ids if req.return_token_ids and first else None
-                    ),
-                    token_ids=c.delta_token_ids if req.return_token_ids else None,
-                )
-                chunk = CompletionStreamResponse(
-                    id=response_id, model=state.model_name, choices=[choice]
-                )
-                yield sse(chunk.model_dump_json(exclude_none=True))
-        if req.stream_options and req.stream_options.include_usage:
+    async for job, out in outputs:
+        for c in out.outputs:
+            if not (c.delta_text or c.delta_token_ids or c.finish_reason):
+                continue
+            index = job.choice_offset + c.index
+            first = index not in num_chars
+            logprobs = (
+                completion_logprobs(tokenizer, c.delta_logprobs, num_chars.get(index, 0))
+                if req.logprobs is not None
+                else None
+            )
+            num_chars[index] = num_chars.get(index, 0) + len(c.delta_text)
+            num_tokens += len(c.delta_token_ids)
+            choice = CompletionStreamChoice(
+                index=index,
+                text=c.delta_text,
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                prompt_token_ids=(job.prompt_token_ids if req.return_token_ids and first else None),
+                token_ids=c.delta_token_ids if req.return_token_ids else None,
+            )
             chunk = CompletionStreamResponse(
-                id=response_id, model=state.model_name, choices=[], usage=_usage(jobs, num_tokens)
+                id=response_id, model=state.model_name, choices=[choice]
             )
             yield sse(chunk.model_dump_json(exclude_none=True))
-    except Exception as e:  # noqa: BLE001 — the status is sent: report in the stream
-        yield sse_error(e)
-    finally:
-        await outputs.aclose()
-    yield "data: [DONE]\n\n"
+    if wants_usage(req):
+        chunk = CompletionStreamResponse(
+            id=response_id, model=state.model_name, choices=[], usage=_usage(jobs, num_tokens)
+        )
+        yield sse(chunk.model_dump_json(exclude_none=True))
 
 
 def _usage(jobs: list[Job], completion_tokens: int) -> UsageInfo:

@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.api.errors import (
     APIError,
@@ -178,6 +179,41 @@ def sse_error(error: BaseException) -> str:
     elif not isinstance(error, APIError):
         error = ServerError(f"{type(error).__name__}: {error}")
     return sse(error.to_response().model_dump_json())
+
+
+async def respond(
+    request: Request,
+    outputs: AsyncIterator,
+    stream: AsyncGenerator[str, None] | None,
+    body: Callable[[list], dict],
+) -> Response:
+    """A generation handler's tail: `stream` (the SSE events) as a streamed response, or, when
+    None, every output collected and `body(items)` as JSON; 499 when the client left first."""
+    if stream is not None:
+        return StreamingResponse(_ended(stream, outputs), media_type="text/event-stream")
+    items = await collect(request, outputs)
+    if items is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    return JSONResponse(body(items))
+
+
+async def _ended(events: AsyncGenerator[str, None], outputs: AsyncIterator) -> AsyncIterator[str]:
+    """A stream's ending, the same for every endpoint: an error after the 200 was sent becomes
+    an error event, the outputs are closed whatever happened, and `[DONE]` comes last."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as e:  # noqa: BLE001 — the status is sent: report in the stream
+        yield sse_error(e)
+    finally:
+        await events.aclose()
+        await outputs.aclose()
+    yield "data: [DONE]\n\n"
+
+
+def wants_usage(req) -> bool:
+    """A streamed request asked for the usage chunk at the end."""
+    return bool(req.stream_options and req.stream_options.include_usage)
 
 
 def validate_params(params: SamplingParams, vocab_size: int, max_n: int = 128) -> None:
