@@ -1,4 +1,5 @@
-"""Decode tokens/s of the default model (SmolLM2-135M) through `LLM`, eager, no threshold.
+"""Decode tokens/s of the default model (SmolLM2-135M) through `LLM`, compiled (the default)
+or eager, no threshold.
 
 Per batch size: `batch` random prompts of `prompt_len` tokens, greedy, EOS ignored, timed once
 with max_tokens=1 (prefill + first token) and once with `new_tokens`; decode tokens/s is
@@ -22,8 +23,15 @@ def measure(
     prompt_len: int = 128,
     new_tokens: int = 128,
     model: str | None = None,  # None: the default model
+    enforce_eager: bool = False,
 ) -> dict:
-    llm = LLM(model, device=device, dtype="bfloat16", enable_prefix_caching=False)
+    llm = LLM(
+        model,
+        device=device,
+        dtype="bfloat16",
+        enable_prefix_caching=False,
+        enforce_eager=enforce_eager,
+    )
     vocab = llm.engine.arch.vocab_size
     g = torch.Generator().manual_seed(0)
 
@@ -48,7 +56,15 @@ def measure(
             }
         )
     backend = next(iter(llm.engine.model.attention_layers().values())).backend.name
-    return {"status": "measured", "mode": "eager", "backend": backend, "rows": rows}
+    mode = "eager" if enforce_eager else "compiled"
+    compile_s = round(llm.engine.runner.compile_seconds, 1)
+    return {
+        "status": "measured",
+        "mode": mode,
+        "compile_s": compile_s,
+        "backend": backend,
+        "rows": rows,
+    }
 
 
 def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
