@@ -34,9 +34,13 @@ class EngineSpec:
 
     def config(self, role: str) -> EngineConfig:
         # NOTE: no prefix caching: a local hit on D would skip the very reads under test, and
-        # policy "fail": a lost transfer must show as an error, never as a silent recompute
+        # policy "fail": a lost transfer must show as an error, never as a silent recompute.
+        # Eager: these parts check transfers; the compiled path, never run on CUDA yet, is
+        # measured (and its failure reported) by the speed part alone
+        model = ModelConfig(self.model, self.device, self.dtype, self.max_model_len)
+        model.enforce_eager = True
         return EngineConfig(
-            model=ModelConfig(self.model, self.device, self.dtype, self.max_model_len),
+            model=model,
             cache=CacheConfig(num_blocks=self.num_blocks, enable_prefix_caching=False),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens),
             transfer=TransferConfig(
