@@ -37,10 +37,10 @@ class EngineSpec:
         # policy "fail": a lost transfer must show as an error, never as a silent recompute.
         # Eager: these parts check transfers; the compiled path, never run on CUDA yet, is
         # measured (and its failure reported) by the speed part alone
-        model = ModelConfig(self.model, self.device, self.dtype, self.max_model_len)
-        model.enforce_eager = True
         return EngineConfig(
-            model=model,
+            model=ModelConfig(
+                self.model, self.device, self.dtype, self.max_model_len, enforce_eager=True
+            ),
             cache=CacheConfig(num_blocks=self.num_blocks, enable_prefix_caching=False),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens),
             transfer=TransferConfig(
