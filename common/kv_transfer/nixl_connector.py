@@ -35,40 +35,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.config import TransferConfig
-from common.kv_cache.block_pool import Block
 from common.kv_transfer.base import KVConnector, KVLoss
 from common.kv_transfer.checksum import mismatch, request_checksums
-from common.kv_transfer.holds import TransferGroup, TransferHolds
+from common.kv_transfer.holds import TransferHolds
 from common.kv_transfer.leases import LeaseTable, local_deadline, wall_deadline
 from common.kv_transfer.params import RemotePrefill, push_target, wants_remote_decode
-from common.kv_transfer.push import PushPlan, PushTable
+from common.kv_transfer.push import PushTable
 from common.kv_transfer.reservations import PUSHED, Reservation, ReservationTable, push_notif
+from common.kv_transfer.step import LoadPlan, StepMeta
 
 logger = logging.getLogger(__name__)
 
 RELEASE = b"release:"
-
-
-@dataclass
-class LoadPlan:
-    request_id: str
-    remote: RemotePrefill
-    blocks: list[Block]  # local blocks the reads land in
-    remote_blocks: list[int]
-    first_block: int = 0  # index in the request of blocks[0] (blocks before: local hits)
-    failed: bool = False
-    started_at: float = 0.0
-    group: TransferGroup | None = None
-
-    @property
-    def local_blocks(self) -> list[int]:
-        return [b.block_id for b in self.blocks]
-
-
-@dataclass
-class StepMeta:
-    loads: list[LoadPlan] = field(default_factory=list)
-    pushes: list[PushPlan] = field(default_factory=list)
 
 
 @dataclass

@@ -41,62 +41,24 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from common.kv_transfer.layout import KVLayout, check_kv_caches
 from common.kv_transfer.nixl_agent import create_agent
+from common.kv_transfer.peers import Peer, stale_peers
+from common.kv_transfer.transfers import (
+    TransferError,
+    TransferFuture,
+    TransferJob,
+    TransferResult,
+    as_transfer_error,
+)
 
 logger = logging.getLogger(__name__)
 
 _MIN_POLL_S = 50e-6  # poll backoff while transfers are in flight: 50 µs doubling up to 1 ms
 _MAX_POLL_S = 1e-3
 _NOTHING = object()  # the queue had no item
-
-
-class TransferError(ConnectionError):
-    """A transfer failed: the peer died or was removed, or NIXL refused it (see __cause__)."""
-
-
-@dataclass
-class TransferResult:
-    num_bytes: int
-    seconds: float  # from transfer() to DONE seen, on the transfer thread
-    num_descriptors: int  # before NIXL merges adjacent ones
-
-
-class TransferFuture(Future):
-    """A transfer's outcome, and whether it can still touch memory (see `is_settled`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._is_settled = False
-
-    def is_settled(self) -> bool:
-        return self._is_settled or self.cancelled()
-
-
-@dataclass
-class _Peer:
-    layout: KVLayout
-    dlist: Any  # prepped remote descriptor list over all of the peer's blocks
-    last_used: float = field(default_factory=time.monotonic)
-    is_retired: bool = False
-
-
-@dataclass
-class _Job:
-    op: str  # "READ" | "WRITE"
-    peer: str
-    local_idx: np.ndarray
-    remote_idx: np.ndarray
-    notif: bytes
-    deadline: float | None
-    num_bytes: int
-    ready: Any = None  # a CUDA event the data waits on, or None
-    future: TransferFuture = field(default_factory=TransferFuture)
-    handle: Any = None
-    started: float = 0.0
 
 
 @dataclass
@@ -124,10 +86,10 @@ class NixlTransport:
         self._registered = self._agent.register_memory(self._kv_caches)
         descs = self.layout.block_descs()
         self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, self.layout.mem_type)
-        self._peers: dict[str, _Peer] = {}  # written only on the transfer thread
-        self._inflight: list[_Job] = []  # transfer thread only
-        self._aborting: list[_Job] = []  # failed, handle not yet released: not settled
-        self._queue: queue.SimpleQueue[_Job | _Command | None] = queue.SimpleQueue()
+        self._peers: dict[str, Peer] = {}  # written only on the transfer thread
+        self._inflight: list[TransferJob] = []  # transfer thread only
+        self._aborting: list[TransferJob] = []  # failed, handle not yet released: not settled
+        self._queue: queue.SimpleQueue[TransferJob | _Command | None] = queue.SimpleQueue()
         self._submit_lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"nixl-{engine_id}", daemon=True)
@@ -217,7 +179,7 @@ class NixlTransport:
         self.close()
 
     # -- caller side helpers -------------------------------------------------------------------
-    def _peer(self, engine_id: str) -> _Peer:
+    def _peer(self, engine_id: str) -> Peer:
         peer = self._peers.get(engine_id)
         if peer is None:
             raise ValueError(f"unknown peer {engine_id!r}")
@@ -230,7 +192,7 @@ class NixlTransport:
         local_idx = self.layout.layer_indices(layer, local_blocks)
         remote_idx = self._peer(peer).layout.layer_indices(layer, remote_blocks)
         num_bytes = len(local_idx) * self.layout.block_len
-        job = _Job(op, peer, local_idx, remote_idx, notif, deadline, num_bytes, ready)
+        job = TransferJob(op, peer, local_idx, remote_idx, notif, deadline, num_bytes, ready)
         self._enqueue(job)
         return job.future
 
@@ -240,7 +202,7 @@ class NixlTransport:
         self._enqueue(command)
         return command.future.result()
 
-    def _enqueue(self, item: _Job | _Command) -> None:
+    def _enqueue(self, item: TransferJob | _Command) -> None:
         with self._submit_lock:
             if self._closed:
                 raise RuntimeError("transport is closed")
@@ -278,8 +240,8 @@ class NixlTransport:
         except queue.Empty:
             return _NOTHING
 
-    def _handle(self, item: _Job | _Command) -> None:
-        if isinstance(item, _Job):
+    def _handle(self, item: TransferJob | _Command) -> None:
+        if isinstance(item, TransferJob):
             return self._start(item)
         if item.future.set_running_or_notify_cancel():
             try:
@@ -287,17 +249,17 @@ class NixlTransport:
             except Exception as e:
                 item.future.set_exception(e)
 
-    def _start(self, job: _Job) -> None:
+    def _start(self, job: TransferJob) -> None:
         if not job.future.set_running_or_notify_cancel():
             return
         try:
             self._post(job)
         except Exception as e:
-            return self._fail(job, _as_transfer_error(job, e))
+            return self._fail(job, as_transfer_error(job, e))
         if not self._settle(job, "PROC"):
             self._inflight.append(job)
 
-    def _post(self, job: _Job) -> None:
+    def _post(self, job: TransferJob) -> None:
         if job.deadline is not None and time.monotonic() > job.deadline:
             raise TimeoutError(f"{job.op} from {job.peer}: deadline passed while queued")
         peer = self._peers.get(job.peer)
@@ -324,7 +286,7 @@ class NixlTransport:
             try:
                 state = self._agent.check_xfer_state(job.handle)
             except Exception as e:
-                self._fail(job, _as_transfer_error(job, e))
+                self._fail(job, as_transfer_error(job, e))
                 continue
             if not self._settle(job, state):
                 still.append(job)
@@ -333,7 +295,7 @@ class NixlTransport:
         self._aborting = [job for job in self._aborting if not self._try_settle(job)]
         return finished
 
-    def _settle(self, job: _Job, state: str) -> bool:
+    def _settle(self, job: TransferJob, state: str) -> bool:
         """Resolve the job if `state` or its deadline ends it; True if it is over."""
         if job.future.done():
             return True
@@ -345,21 +307,21 @@ class NixlTransport:
             self._fail(job, TimeoutError(f"{job.op} with {job.peer} still running at deadline"))
         return job.future.done()
 
-    def _finish(self, job: _Job) -> None:
+    def _finish(self, job: TransferJob) -> None:
         seconds = time.monotonic() - job.started
         if not self._release(job):
             self._aborting.append(job)
         job.future._is_settled = job.handle is None
         job.future.set_result(TransferResult(job.num_bytes, seconds, len(job.local_idx)))
 
-    def _fail(self, job: _Job, exc: BaseException) -> None:
+    def _fail(self, job: TransferJob, exc: BaseException) -> None:
         if not self._release(job):  # releasing an in-flight handle aborts it; data is partial
             self._aborting.append(job)  # may still move data: settled once NIXL lets go
         job.future._is_settled = job.handle is None
         if not job.future.done():
             job.future.set_exception(exc)
 
-    def _release(self, job: _Job) -> bool:
+    def _release(self, job: TransferJob) -> bool:
         """Release the job's handle; False (handle kept) if NIXL refused."""
         if job.handle is not None:
             try:
@@ -370,7 +332,7 @@ class NixlTransport:
             job.handle = None
         return True
 
-    def _try_settle(self, job: _Job) -> bool:
+    def _try_settle(self, job: TransferJob) -> bool:
         """An aborted job whose handle NIXL refused to release: release it once the transfer
         is no longer in progress. True once settled."""
         try:
@@ -393,7 +355,7 @@ class NixlTransport:
             self._agent.remove_remote_agent(name)
             raise ValueError(f"metadata is of agent {name!r}, layout of {layout.agent_name!r}")
         dlist = self._agent.prep_xfer_dlist(name, layout.block_descs(), layout.mem_type)
-        self._peers[layout.engine_id] = _Peer(layout, dlist)
+        self._peers[layout.engine_id] = Peer(layout, dlist)
         self._sweep_peers()
 
     def _retire_peer(self, engine_id: str) -> None:
@@ -405,15 +367,7 @@ class NixlTransport:
         """Drop retired and idle peers, then the least recently used idle ones past
         `max_peers`; a peer with a transfer in flight stays."""
         busy = {job.peer for job in self._inflight + self._aborting}  # not settled yet
-        idle_since = time.monotonic() - self.peer_idle_s
-        by_age = sorted(self._peers.items(), key=lambda item: item[1].last_used)
-        idle = [engine_id for engine_id, peer in by_age if engine_id not in busy]
-        stale = {
-            e for e in idle if self._peers[e].is_retired or self._peers[e].last_used < idle_since
-        }
-        num_over = len(self._peers) - len(stale) - self.max_peers
-        stale.update([e for e in idle if e not in stale][: max(num_over, 0)])
-        for engine_id in stale:
+        for engine_id in stale_peers(self._peers, busy, self.peer_idle_s, self.max_peers):
             logger.info("removing idle or retired NIXL peer %s", engine_id)
             self._drop_peer(engine_id)
 
@@ -443,11 +397,3 @@ class NixlTransport:
             self._drop_peer(engine_id)
         self._local.release()
         self._agent.deregister_memory(self._registered)
-
-
-def _as_transfer_error(job: _Job, exc: Exception) -> Exception:
-    if isinstance(exc, (TimeoutError, TransferError)):
-        return exc
-    error = TransferError(f"{job.op} with {job.peer} failed: {exc!r}")
-    error.__cause__ = exc
-    return error

@@ -1,0 +1,61 @@
+"""What one KV transfer is, and how it ends: the job the transfer thread carries
+(`TransferJob`), the Future the caller holds (`TransferFuture`: done, failed, and *settled*
+once its memory is no longer touched), its result and its error. The thread that moves the
+bytes is common/kv_transfer/nixl_transport.py.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class TransferError(ConnectionError):
+    """A transfer failed: the peer died or was removed, or NIXL refused it (see __cause__)."""
+
+
+@dataclass
+class TransferResult:
+    num_bytes: int
+    seconds: float  # from transfer() to DONE seen, on the transfer thread
+    num_descriptors: int  # before NIXL merges adjacent ones
+
+
+class TransferFuture(Future):
+    """A transfer's outcome, and whether it can still touch memory (see `is_settled`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._is_settled = False
+
+    def is_settled(self) -> bool:
+        return self._is_settled or self.cancelled()
+
+
+@dataclass
+class TransferJob:
+    """One READ or WRITE of one layer's blocks with one peer, from submission to settled."""
+
+    op: str  # "READ" | "WRITE"
+    peer: str
+    local_idx: np.ndarray
+    remote_idx: np.ndarray
+    notif: bytes
+    deadline: float | None
+    num_bytes: int
+    ready: Any = None  # a CUDA event the data waits on, or None
+    future: TransferFuture = field(default_factory=TransferFuture)
+    handle: Any = None
+    started: float = 0.0
+
+
+def as_transfer_error(job: TransferJob, exc: Exception) -> Exception:
+    """What a transfer's Future fails with: a timeout or a TransferError (NIXL's error as cause)."""
+    if isinstance(exc, (TimeoutError, TransferError)):
+        return exc
+    error = TransferError(f"{job.op} with {job.peer} failed: {exc!r}")
+    error.__cause__ = exc
+    return error
