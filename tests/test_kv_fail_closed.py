@@ -1,7 +1,7 @@
 """Fail closed on the KV paths, with real workers and real NIXL transfers:
 
-- a failed load's blocks are quarantined while READs into them are still in flight, so a later
-  request never has its KV overwritten by them;
+- a failed load's blocks are quarantined while a READ into them is still in flight, so a later
+  request never has its KV overwritten by it;
 - a push with a failed middle chunk is never admitted with holes: P answers an error, D waits
   for every chunk of every layer and recomputes (or fails) when one never lands;
 - P's step never waits on a decode worker: a frozen D does not stall P's other requests.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future
 
 import httpx
 import pytest
@@ -22,12 +21,11 @@ from common.engine.engine import LLMEngine
 from common.engine.sampling_params import SamplingParams
 from common.kv_transfer.handshake import HandshakeInfo
 from common.kv_transfer.nixl_transport import TransferError
+from common.kv_transfer.transfers import TransferFuture
 from tests.chaos.faults import frozen
 from tests.servers import wait_until
 from tests.test_pd_pull import complete
 from tests.tiny_models import VOCAB
-
-FAILED_LAYER = 1  # of the tiny model's layers; the ones after it are still in flight
 
 
 def random_prompt(seed: int, n: int = 40) -> list[int]:
@@ -82,28 +80,27 @@ def test_late_reads_of_a_failed_load_never_land_in_another_requests_blocks(prefi
     params = complete(prefill.url, {**body, "kv_transfer_params": {"do_remote_decode": True}})
 
     gate, late = threading.Event(), []
-    read_layer = connector.transport.read_layer
+    read_layers = connector.transport.read_layers
 
-    def faulty_read(peer, layer, local, remote, **kw):
-        if layer == FAILED_LAYER:
-            raise TransferError("injected: this layer's READ failed")
-        if layer < FAILED_LAYER:
-            return read_layer(peer, layer, local, remote, **kw)
-        future: Future = Future()  # a READ already inside the transport: it lands later
+    def faulty_read(peer, layers, local, remote, **kw):
+        """The READ fails at once, as one past its deadline does, but NIXL has not let go of
+        it: its bytes land later (after the gate), and only then has it settled."""
+        future = TransferFuture()
         assert future.set_running_or_notify_cancel()
+        future.set_exception(TransferError("injected: the READ failed, its handle still busy"))
 
         def land() -> None:
             gate.wait(30)
             try:
-                future.set_result(read_layer(peer, layer, local, remote, **kw).result())
-            except Exception as e:  # noqa: BLE001 — reported through the Future
-                future.set_exception(e)
+                read_layers(peer, layers, local, remote, **kw).result()
+            finally:
+                future._is_settled = True
 
         late.append(threading.Thread(target=land, daemon=True))
         late[-1].start()
         return future
 
-    connector.transport.read_layer = faulty_read
+    connector.transport.read_layers = faulty_read
     engine.add_request("loaded", body["prompt"], greedy, params["kv_transfer_params"])
     tokens, error = run(engine, "loaded")
     assert error is not None and "read failed" in error, error  # policy "fail": a clear error

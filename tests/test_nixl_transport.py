@@ -66,8 +66,33 @@ def test_read_lands_exactly(local, local_blocks, remote_blocks):
     expected = make_kv(PEER_SEED)
     for layer in range(NUM_LAYERS):
         assert block_bytes(kv, layer, local_blocks) == block_bytes(expected, layer, remote_blocks)
-    assert results[0].num_descriptors == 2 * len(local_blocks)
+    # one descriptor per K/V per run consecutive on both sides (NIXL posts no per-block work)
+    assert results[0].num_descriptors == 2 * count_runs(local_blocks, remote_blocks)
     assert results[0].num_bytes == 2 * len(local_blocks) * transport.layout.block_len
+
+
+def count_runs(local_blocks: list[int], remote_blocks: list[int]) -> int:
+    pairs = list(zip(local_blocks, remote_blocks, strict=True))
+    return sum(1 for i, (lb, rb) in enumerate(pairs) if i == 0 or pairs[i - 1] != (lb - 1, rb - 1))
+
+
+def test_runs_are_one_descriptor_pair(local):
+    """Two runs (blocks 4..9 -> 0..5, then 1..2 -> 8..9) move as 4 descriptors a layer, and
+    every byte lands where the per-block mapping says."""
+    local_blocks, remote_blocks = [4, 5, 6, 7, 8, 9, 1, 2], [0, 1, 2, 3, 4, 5, 8, 9]
+    test_read_lands_exactly(local, local_blocks, remote_blocks)
+    result = local[0].read_layer("peer", 1, local_blocks, remote_blocks).result(timeout=5)
+    assert result.num_descriptors == 4 and result.post_s > 0
+
+
+def test_a_layout_outside_the_peers_memory_is_refused_at_handshake(local, peers):
+    transport, _ = local
+    layout, metadata = peers["dies"].hello()
+    lying = {**layout, "engine_id": "liar", "base_addrs": [a + 2**40 for a in layout["base_addrs"]]}
+    with pytest.raises(Exception, match="(?i)not.?found"):
+        transport.add_peer(KVLayout.from_dict(lying), metadata)
+    assert not transport.has_peer("liar")
+    test_read_lands_exactly(local, [0, 1], [2, 3])  # the real peer is still connected
 
 
 def test_write_lands_and_notifies_per_layer(local, peers):

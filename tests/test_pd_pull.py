@@ -63,6 +63,7 @@ def test_pull_equals_colocated(pd, mode):
     p, d = pd
     sampling = dict(temperature=0) if mode == "greedy" else dict(temperature=0.9, seed=7)
     before = kv_sources(d)
+    reads_before = descriptors(d, "read")
     for i, prompt in enumerate(prompts()):
         body = dict(
             prompt=prompt, max_tokens=12, ignore_eos=True, return_token_ids=True, **sampling
@@ -78,6 +79,17 @@ def test_pull_equals_colocated(pd, mode):
     # every answer came from the transferred KV, none was recomputed
     assert wait_until(lambda: kv_sources(d)["pull"] - before["pull"] == len(prompts()))
     assert kv_sources(d)["recomputed"] == before["recomputed"]
+    # one READ each, its blocks one run on both sides (idle pools allocate contiguously): 2
+    # descriptors a layer, K and V, whatever the prompt's length
+    grown = lambda: [now - then for now, then in zip(descriptors(d, "read"), reads_before)]  # noqa: E731
+    assert wait_until(lambda: grown()[0] == len(prompts()))
+    assert grown()[1] == 2 * len(prompts())
+
+
+def descriptors(worker, op: str) -> tuple[float, float]:
+    """(count, sum) of the worker's `pdserve_kv_descriptors` histogram for `op`."""
+    name = "pdserve_kv_descriptors"
+    return worker.metric(f'{name}_count{{op="{op}"}}'), worker.metric(f'{name}_sum{{op="{op}"}}')
 
 
 def test_release_route_and_lease_expiry(start_server, model):

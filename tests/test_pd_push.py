@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from tests.servers import kv_sources, wait_until
-from tests.test_pd_pull import complete, prompts
+from tests.test_pd_pull import complete, descriptors, prompts
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,7 @@ def test_push_equals_colocated(pd, mode):
     p, d = pd
     sampling = dict(temperature=0) if mode == "greedy" else dict(temperature=0.9, seed=11)
     before = kv_sources(d)
+    writes_before = descriptors(p, "write")
     for prompt in prompts():
         body = dict(
             prompt=prompt, max_tokens=10, ignore_eos=True, return_token_ids=True, **sampling
@@ -63,6 +64,10 @@ def test_push_equals_colocated(pd, mode):
     # every answer came from the pushed KV, none was recomputed
     assert wait_until(lambda: kv_sources(d)["push"] - before["push"] == len(prompts()))
     assert kv_sources(d)["recomputed"] == before["recomputed"]
+    # every chunk's WRITE of a layer was one run on both sides: 2 descriptors, K and V
+    grown = lambda: [now - then for now, then in zip(descriptors(p, "write"), writes_before)]  # noqa: E731
+    assert wait_until(lambda: grown()[0] == len(prompts()))
+    assert grown()[1] == 2 * len(prompts())
 
 
 def test_unclaimed_reservation_expires_and_release_route(pd):

@@ -8,7 +8,7 @@ from common.kv_transfer.peers import Peer, stale_peers
 
 
 def _peer(age_s: float, retired: bool = False) -> Peer:
-    return Peer(layout=None, dlist=None, last_used=time.monotonic() - age_s, is_retired=retired)
+    return Peer(layout=None, last_used=time.monotonic() - age_s, is_retired=retired)
 
 
 def test_retired_and_idle_peers_go_unless_busy():

@@ -7,8 +7,10 @@ KV blocks, prefix-cache hit rate) are read from the engine's last stats at scrap
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
 
 from common.engine.async_engine import EngineStats
+from common.kv_transfer.transfers import DESCRIPTOR_BUCKETS, DescriptorHistogram
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -47,6 +49,30 @@ def _catch_up(counter: Counter, label: str, totals: dict[str, int]) -> None:
         delta = total - child._value.get()
         if delta > 0:
             child.inc(delta)
+
+
+class _DescriptorCollector:
+    """`pdserve_kv_descriptors`: the engine's running descriptor histograms, by op."""
+
+    def __init__(self) -> None:
+        self.histograms: dict[str, DescriptorHistogram] = {}
+
+    def collect(self):
+        family = HistogramMetricFamily(
+            "pdserve_kv_descriptors",
+            "NIXL descriptors a layer per request's KV transfer (2: its blocks are one run on"
+            " both sides; 2 per run otherwise), by op: read (pull, on D), write (push, on P)",
+            labels=["op"],
+        )
+        for op in ("read", "write"):
+            histogram = self.histograms.get(op, DescriptorHistogram())
+            bounds = [str(float(b)) for b in DESCRIPTOR_BUCKETS] + ["+Inf"]
+            cumulative, running = [], 0
+            for bound, count in zip(bounds, histogram.counts, strict=True):
+                running += count
+                cumulative.append((bound, running))
+            family.add_metric([op], cumulative, histogram.total)
+        yield family
 
 
 class ServerMetrics:
@@ -106,7 +132,10 @@ class ServerMetrics:
                 ("kv_transfer_failures", "KV loads that failed or timed out"),
                 ("kv_transfer_bytes", "Bytes of KV loaded over NIXL"),
                 ("kv_transfer_seconds", "Seconds from the first read issued to the load done"),
-                ("kv_transfer_descriptors", "NIXL descriptors in KV loads (before merging)"),
+                (
+                    "kv_transfer_descriptors",
+                    "NIXL descriptors in KV loads (one per run per K/V per layer)",
+                ),
                 ("kv_lease_expiries", "Held prefill blocks freed because their lease expired"),
                 ("kv_push_bytes", "Bytes of KV pushed (WRITE) to decode workers"),
                 ("kv_push_seconds", "Seconds from a step's first KV WRITE to its last landing"),
@@ -165,6 +194,8 @@ class ServerMetrics:
             "Seconds the model's compiled forward took to build at start-up (0: eager)",
             registry=r,
         )
+        self.descriptors = _DescriptorCollector()
+        r.register(self.descriptors)
         self.handshakes = Counter(
             "pdserve_kv_handshakes", "Handshakes with a new KV peer", registry=r
         )
@@ -191,6 +222,7 @@ class ServerMetrics:
             self.pushes_in_flight.set(stats.kv_pushes_in_flight)
             _catch_up(self.loaded_requests, "mode", stats.kv_loaded_requests)
             _catch_up(self.recomputed, "reason", stats.kv_recomputed)
+            self.descriptors.histograms = stats.kv_descriptors
             for name, counter in self.transfer_counters.items():
                 delta = getattr(stats, name) - counter._value.get()
                 if delta > 0:

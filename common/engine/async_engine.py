@@ -40,6 +40,7 @@ from common.cpu import set_torch_threads
 from common.engine.engine import LLMEngine
 from common.engine.output import RequestOutput
 from common.engine.sampling_params import SamplingParams
+from common.kv_transfer.transfers import DescriptorHistogram
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class EngineStats:
     kv_loaded_requests: dict[str, int] = field(default_factory=dict)  # by mode
     kv_recomputed: dict[str, int] = field(default_factory=dict)  # by reason
     kv_pushes_in_flight: int = 0  # P: push requests whose writes have not settled
+    kv_descriptors: dict[str, DescriptorHistogram] = field(default_factory=dict)  # read | write
 
 
 class AsyncEngine:
@@ -317,6 +319,11 @@ class AsyncEngine:
             kv_loaded_requests=dict(transfer.loaded_requests) if transfer else {},
             kv_recomputed=dict(transfer.recomputed) if transfer else {},
             kv_pushes_in_flight=len(connector.pushes) if hasattr(connector, "pushes") else 0,
+            kv_descriptors={
+                op: stats.descriptors_a_layer.copy()
+                for op, stats in (("read", transfer), ("write", pushed))
+                if stats is not None
+            },
         )
 
 

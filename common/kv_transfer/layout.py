@@ -2,11 +2,13 @@
 
 Per layer one contiguous tensor (2, num_blocks, block_size, num_kv_heads, head_dim): the K bytes
 of block b of layer l start at base_addrs[l] + b * block_len, its V bytes num_blocks blocks
-later. Descriptors are indexed (layer * 2 + kv) * num_blocks + block.
+later. So blocks b..b+n-1 are one run of n * block_len bytes in each of K and V: a transfer
+moves one descriptor per run per K/V (`runs`, `run_descs`), whatever the number of blocks.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -71,23 +73,65 @@ class KVLayout:
     def from_dict(cls, data: dict[str, Any]) -> KVLayout:
         return cls(**{**data, "base_addrs": tuple(data["base_addrs"])})
 
-    def block_descs(self) -> np.ndarray:
-        """(num_layers * 2 * num_blocks, 3) rows of (addr, len, device id), in index order."""
-        offsets = np.arange(2 * self.num_blocks, dtype=np.uint64) * np.uint64(self.block_len)
-        addrs = np.asarray(self.base_addrs, dtype=np.uint64)[:, None] + offsets[None, :]
-        descs = np.empty((addrs.size, 3), dtype=np.uint64)
-        descs[:, 0], descs[:, 1], descs[:, 2] = addrs.reshape(-1), self.block_len, self.device_id
+    def run_descs(
+        self, layers: Sequence[int], block_runs: list[tuple[int, int, int]], side: int
+    ) -> np.ndarray:
+        """(addr, len, device id) rows: for each of `layers`, the K bytes of each run of
+        `block_runs` (local start, remote start, length; `side` 0 takes the local starts, 1 the
+        remote ones), then their V bytes. O(layers x runs) in numpy, nothing per block."""
+        layer_ids = np.asarray(layers, dtype=np.int64)
+        if layer_ids.size and (layer_ids.min() < 0 or layer_ids.max() >= self.num_layers):
+            raise ValueError(f"layer {list(layers)} out of range [0, {self.num_layers})")
+        for run in block_runs:
+            if run[side] < 0 or run[side] + run[2] > self.num_blocks:
+                raise ValueError(
+                    f"block ids out of range [0, {self.num_blocks}) for {self.engine_id}"
+                )
+        starts = np.array([run[side] for run in block_runs], dtype=np.uint64)
+        sizes = np.array([run[2] for run in block_runs], dtype=np.uint64) * np.uint64(
+            self.block_len
+        )
+        offsets = np.concatenate([starts, starts + np.uint64(self.num_blocks)])
+        offsets *= np.uint64(self.block_len)
+        descs = np.empty((layer_ids.size, offsets.size, 3), dtype=np.uint64)
+        descs[:, :, 0] = self._bases[layer_ids][:, None] + offsets[None, :]
+        descs[:, :, 1] = np.concatenate([sizes, sizes])
+        descs[:, :, 2] = self.device_id
+        return descs.reshape(-1, 3)
+
+    @functools.cached_property
+    def _bases(self) -> np.ndarray:
+        return np.asarray(self.base_addrs, dtype=np.uint64)
+
+    def region_descs(self) -> np.ndarray:
+        """One (addr, len, device id) row per layer's whole tensor: what must be registered."""
+        descs = np.empty((self.num_layers, 3), dtype=np.uint64)
+        descs[:, 0] = self.base_addrs
+        descs[:, 1], descs[:, 2] = 2 * self.num_blocks * self.block_len, self.device_id
         return descs
 
-    def layer_indices(self, layer: int, blocks: Sequence[int]) -> np.ndarray:
-        """Descriptor indices of `blocks` in `layer`: all K blocks, then all V blocks."""
-        ids = np.asarray(blocks, dtype=np.int64)
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
-        if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
-            raise ValueError(f"block ids out of range [0, {self.num_blocks}) for {self.engine_id}")
-        k = layer * 2 * self.num_blocks + ids
-        return np.concatenate([k, k + self.num_blocks]).astype(np.int32)
+
+def runs(local_blocks: Sequence[int], remote_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(local start, remote start, length) of each maximal run where both the local and the
+    remote block ids go up by one: [3, 4, 5, 9] -> [7, 8, 9, 2] is [(3, 7, 3), (9, 2, 1)]."""
+    local, remote = list(local_blocks), list(remote_blocks)
+    if len(local) != len(remote):
+        raise ValueError(f"{len(local)} local blocks but {len(remote)} remote")
+    if not local:
+        return []
+    n = len(local)
+    if local == list(range(local[0], local[0] + n)) and remote == list(
+        range(remote[0], remote[0] + n)
+    ):
+        return [(local[0], remote[0], n)]  # the allocator's usual case
+    found = [[local[0], remote[0], 1]]
+    for lb, rb in zip(local[1:], remote[1:], strict=True):
+        last = found[-1]
+        if lb == last[0] + last[2] and rb == last[1] + last[2]:
+            last[2] += 1
+        else:
+            found.append([lb, rb, 1])
+    return [(lb, rb, length) for lb, rb, length in found]
 
 
 def check_kv_caches(kv_caches: Sequence[torch.Tensor]) -> None:

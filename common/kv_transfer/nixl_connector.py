@@ -4,13 +4,14 @@ P (`do_remote_decode`): the request prefills and samples its first token as usua
 finishes, its blocks go under a lease instead of back to the pool, and its output carries
 `kv_transfer_params` saying where they are (`RemotePrefill`).
 
-D (`do_remote_prefill`): on admission the request counts every prompt token it lacks as
-computed elsewhere, so it is scheduled for a single token (the one after the prompt, or the
-last prompt token when no first token came along). Its blocks are allocated, its own prefix hits
-skipped; `start_load_kv` issues one NIXL READ per layer for the rest, and the forward's
-decorator waits for each layer just before that layer's attention. After the forward D tells P
-to release the lease. A read that fails or passes `load_timeout` marks the request failed: the
-engine drops its token and recomputes it locally or fails it, by policy.
+D (`do_remote_prefill`): on admission the request counts every prompt token it lacks as computed
+elsewhere, so it is scheduled for a single token (the one after the prompt, or the last prompt
+token when no first token came along). Its blocks are allocated, its own prefix hits skipped;
+`start_load_kv` issues one NIXL READ of every layer for the rest (its blocks' runs, not blocks,
+are the descriptors: docs/design.md), and the forward's decorator waits for it just before the
+first layer's attention and checks each layer's checksums before that layer's. After the forward
+D tells P to release the lease. A read that fails or passes `load_timeout` marks the request
+failed: the engine drops its token and recomputes it locally or fails it, by policy.
 
 Push (layer-wise): D first reserves blocks (`reserve`); P, given the reservation as `push_to`,
 WRITEs each layer's blocks from `save_kv_layer` — right after that layer's attention, while the
@@ -43,6 +44,7 @@ from common.kv_transfer.params import RemotePrefill, push_target, wants_remote_d
 from common.kv_transfer.push import PushTable
 from common.kv_transfer.reservations import PUSHED, Reservation, ReservationTable, push_notif
 from common.kv_transfer.step import LoadPlan, StepMeta
+from common.kv_transfer.transfers import DescriptorHistogram
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ class TransferStats:
     bytes_loaded: int = 0
     seconds_loading: float = 0.0
     descriptors: int = 0
+    descriptors_a_layer: DescriptorHistogram = field(default_factory=DescriptorHistogram)
     num_checksum_failures: int = 0
     loaded_requests: Counter = field(default_factory=Counter)  # D: by mode, pull | push
     recomputed: Counter = field(default_factory=Counter)  # D: by KVLoss.reason
@@ -225,32 +228,30 @@ class NixlConnector(KVConnector):
             if not plan.blocks:  # a full local prefix hit: nothing to read
                 continue
             plan.group = self.holds.hold(plan.blocks)
+            future = _submit(
+                self.transport.read_layers,
+                plan.remote.remote_engine_id,
+                range(len(self.layer_index)),
+                plan.local_blocks,
+                plan.remote_blocks,
+                deadline=_fenced(deadline, plan.remote.read_by),
+            )
+            plan.group.futures.append(future)
             for layer in range(len(self.layer_index)):
-                future = _submit(
-                    self.transport.read_layer,
-                    plan.remote.remote_engine_id,
-                    layer,
-                    plan.local_blocks,
-                    plan.remote_blocks,
-                    deadline=_fenced(deadline, plan.remote.read_by),
-                )
-                plan.group.futures.append(future)
                 self._futures[layer].append((plan, future))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """D: block until this layer's READs are DONE (or failed). NOTE: on CUDA this is also
-        what orders them before compute: the layer's attention is launched only after."""
+        """D: block until the READs of this layer are DONE (or failed). NOTE: on CUDA this is
+        also what orders them before compute: the layer's attention is launched only after."""
         layer = self.layer_index[layer_name]
         for plan, future in self._futures.pop(layer, []):
             if plan.failed:
                 continue
             try:
-                result = future.result()
+                future.result()
             except Exception as e:  # noqa: BLE001 — any failed read fails the request
                 self._fail_load(plan, "read_failed", f"KV read failed: {e!r}")
                 continue
-            self.stats.bytes_loaded += result.num_bytes
-            self.stats.descriptors += result.num_descriptors
             if plan.remote.read_by is not None and time.time() > plan.remote.read_by:
                 # P may have freed and reused the blocks while this read was in flight
                 why = "the prefill worker's lease ran out before the KV landed"
@@ -312,6 +313,13 @@ class NixlConnector(KVConnector):
             self.stats.seconds_loading += time.perf_counter() - plan.started_at
             if not plan.failed:
                 self.stats.loaded_requests["pull"] += 1
+                for future in plan.group.futures if plan.group else []:
+                    result = future.result()
+                    self.stats.bytes_loaded += result.num_bytes
+                    self.stats.descriptors += result.num_descriptors
+                    self.stats.descriptors_a_layer.observe(
+                        result.num_descriptors / len(self.layer_index)
+                    )
             self._notify_release(plan.remote)
         self._futures.clear()
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from common.kv_transfer.layout import KVLayout
 
@@ -17,7 +16,6 @@ from common.kv_transfer.layout import KVLayout
 @dataclass
 class Peer:
     layout: KVLayout
-    dlist: Any  # prepped remote descriptor list over all of the peer's blocks
     last_used: float = field(default_factory=time.monotonic)
     is_retired: bool = False
 

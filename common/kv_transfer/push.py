@@ -24,6 +24,7 @@ from typing import Any
 
 from common.kv_transfer.holds import TransferGroup, TransferHolds
 from common.kv_transfer.params import PushTarget, push_target
+from common.kv_transfer.transfers import DescriptorHistogram
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class PushStats:
     num_failures: int = 0  # requests some of whose writes failed
     seconds: float = 0.0  # per request: from its first WRITE to its last one landing
     seconds_exposed: float = 0.0  # of that, after its prefill ended (not hidden by compute)
+    descriptors_a_layer: DescriptorHistogram = field(default_factory=DescriptorHistogram)
 
 
 class PushTable:
@@ -130,7 +132,11 @@ class PushTable:
 
     def _outcome(self, request_id: str, push: _Push) -> str | None:
         errors = [e for f in push.writes if (e := _error(f)) is not None]
-        self.stats.num_bytes += sum(f.result().num_bytes for f in push.writes if not _error(f))
+        results = [f.result() for f in push.writes if not _error(f)]
+        self.stats.num_bytes += sum(r.num_bytes for r in results)
+        if results:  # each WRITE is one layer of one chunk
+            descriptors = sum(r.num_descriptors for r in results) / len(results)
+            self.stats.descriptors_a_layer.observe(descriptors)
         done = time.perf_counter()
         self.stats.seconds += done - (push.started_at or done)
         self.stats.seconds_exposed += done - push.finished_at

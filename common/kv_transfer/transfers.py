@@ -21,7 +21,28 @@ class TransferError(ConnectionError):
 class TransferResult:
     num_bytes: int
     seconds: float  # from transfer() to DONE seen, on the transfer thread
-    num_descriptors: int  # before NIXL merges adjacent ones
+    num_descriptors: int  # one per run of consecutive blocks per K/V
+    post_s: float = 0.0  # building the descriptors and the handle: the cost of posting
+
+
+DESCRIPTOR_BUCKETS = (2, 4, 8, 16, 32, 64, 128)  # 2 a layer: every block in one run both sides
+
+
+@dataclass
+class DescriptorHistogram:
+    """Running histogram of NIXL descriptors a layer, one observation per request (pull) or
+    per request's push: 2 when its blocks are one run here and there, 2 per run otherwise."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(DESCRIPTOR_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        bucket = next((i for i, b in enumerate(DESCRIPTOR_BUCKETS) if value <= b), -1)
+        self.counts[bucket] += 1
+        self.total += value
+
+    def copy(self) -> DescriptorHistogram:
+        return DescriptorHistogram(list(self.counts), self.total)
 
 
 class TransferFuture(Future):
@@ -41,8 +62,8 @@ class TransferJob:
 
     op: str  # "READ" | "WRITE"
     peer: str
-    local_idx: np.ndarray
-    remote_idx: np.ndarray
+    local_descs: np.ndarray  # (n, 3) rows of (addr, len, device id)
+    remote_descs: np.ndarray
     notif: bytes
     deadline: float | None
     num_bytes: int
@@ -50,6 +71,7 @@ class TransferJob:
     future: TransferFuture = field(default_factory=TransferFuture)
     handle: Any = None
     started: float = 0.0
+    post_s: float = 0.0
 
 
 def as_transfer_error(job: TransferJob, exc: Exception) -> Exception:

@@ -7,6 +7,8 @@ Parts (each bounded, the whole under ~8 minutes on one GPU including model prepa
 - ordering: the same with long prompts in small chunks, KV checksums on and P's GPU stream
   slowed down, then a burst of pushes: a KV transfer not ordered after the kernel that wrote
   the KV (or loaded KV not visible to D's compute) shows as a mismatch or a checksum failure;
+- transfer: a request's KV READ over NIXL, VRAM to VRAM (two GPUs: across them), beside a
+  device copy of the same bytes (tests/gpu/transfer.py), figures only;
 - speed: SmolLM2 bf16 decode tokens/s at batch 1 and 32 (eager), figures only.
 A JSON summary goes to stdout (and to --out); progress goes to stderr.
 `--device cpu` runs pd and ordering on a tiny random model in fp32 with the torch backend: it
@@ -36,7 +38,7 @@ import torch  # noqa: E402
 from tests.gpu.engines import EngineSpec  # noqa: E402
 from tests.gpu.pd import burst_push, compare, engine_pair  # noqa: E402
 
-PARTS = ("flash", "pd", "ordering", "speed")
+PARTS = ("flash", "pd", "ordering", "transfer", "speed")
 NEEDS_CUDA = """\
 tests.gpu.check needs CUDA: torch {torch} sees no GPU here.
 On a CUDA machine, set up as tests/gpu/README.md says, then from the repo root:
@@ -154,6 +156,12 @@ def speed_part(device: str) -> dict:
     return result
 
 
+def transfer_part(device: str) -> dict:
+    from tests.gpu.transfer import measure
+
+    return measure(device)
+
+
 def skipped(reason: str) -> dict:
     return {"status": "skipped", "reason": reason}
 
@@ -197,6 +205,8 @@ def run(args: argparse.Namespace, plan: Plan) -> dict:
     if "flash" in args.parts:
         parts["flash"] = run_part("flash", flash_part, args.device)
     parts |= pd_parts(plan, args.parts, args.processes)
+    if "transfer" in args.parts:
+        parts["transfer"] = run_part("transfer", transfer_part, args.device)
     if "speed" in args.parts:
         parts["speed"] = run_part("speed", speed_part, args.device)
     passed = all(r["status"] in ("passed", "skipped", "measured") for r in parts.values())
