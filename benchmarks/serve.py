@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from datetime import datetime
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: python benchmarks/serve.py
@@ -114,7 +115,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     out.add_argument("--metric-percentiles", type=percentile_list, default=[50.0, 90.0, 99.0])
     out.add_argument("--goodput", type=slo, nargs="+", metavar="KEY:MS", default=[])
-    out.add_argument("--result-file", help="write the result JSON here")
+    out.add_argument(
+        "--result-file",
+        help="write the result JSON here (= --save-result with"
+        " --result-dir and --result-filename in one)",
+    )
+    # vLLM's spellings, so that `vllm bench serve` command lines carry over
+    out.add_argument(
+        "--save-result",
+        action="store_true",
+        help="write the result JSON to --result-dir/--result-filename",
+    )
+    out.add_argument("--result-dir", default=".", help="with --save-result (default: .)")
+    out.add_argument(
+        "--result-filename",
+        help="with --save-result; default as vLLM's: LABEL-RATEqps[-concurrencyN]-MODEL-DATE.json",
+    )
+    out.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="add vLLM's per-request"
+        " lists (input_lens, output_lens, ttfts, itls, errors) to the JSON",
+    )
+    out.add_argument("--label", help="the result's label (default: the endpoint type)")
+    out.add_argument(
+        "--metadata",
+        nargs="*",
+        default=[],
+        type=key_value,
+        metavar="KEY=VALUE",
+        help="added to the result JSON as top-level keys",
+    )
     out.add_argument("--plot-dir", help="write latency_cdf.png and throughput.png here")
     out.add_argument("--disable-progress", action="store_true")
     return p
@@ -156,9 +187,34 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         percentile_metrics=tuple(args.percentile_metrics),
         percentiles=tuple(args.metric_percentiles),
         slos_ms=dict(args.goodput),
-        result_file=args.result_file,
+        result_file=args.result_file or _save_result_path(args),
         plot_dir=args.plot_dir,
+        label=args.label,
+        metadata=dict(args.metadata),
+        save_detailed=args.save_detailed,
     )
+
+
+def _save_result_path(args: argparse.Namespace) -> str | None:
+    """vLLM's --save-result naming: RESULT_DIR/RESULT_FILENAME, the file name by default
+    `{label}-{rate}qps[-concurrency{n}]-{model's last path part}-{%Y%m%d-%H%M%S}.json`."""
+    if not args.save_result:
+        return None
+    name = args.result_filename
+    if name is None:
+        label = args.label or args.endpoint_type
+        concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
+        model = (args.model or "model").rstrip("/").split("/")[-1]
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        name = f"{label}-{args.request_rate}qps{concurrency}-{model}-{stamp}.json"
+    return str(Path(args.result_dir) / name)
+
+
+def key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
 
 
 async def benchmark(cfg: BenchConfig, samples: list[SampleRequest], args: dict) -> dict:
@@ -193,7 +249,7 @@ async def benchmark(cfg: BenchConfig, samples: list[SampleRequest], args: dict) 
             cfg.load.request_rate,
         )
     )
-    result = report.build_result(metrics, run, args, model, cfg.endpoint_type)
+    result = report.build_result(metrics, run, args, model, cfg)
     if cfg.result_file:
         report.write_result(cfg.result_file, result)
         print(f"Wrote {cfg.result_file}")

@@ -60,7 +60,8 @@ INVALID = {  # name: (path, body, param)
     "token id 2**70": (COMPLETIONS, dict(prompt=[[5], [2**70]]), "prompt"),
     "stop_token_ids out of vocab":
         (COMPLETIONS, dict(prompt="hi", stop_token_ids=[VOCAB]), "stop_token_ids"),
-    "an unknown field": (COMPLETIONS, dict(prompt="hi", bogus=1), "bogus"),
+    "a field not implemented":
+        (COMPLETIONS, dict(prompt="hi", guided_json={"type": "object"}), "guided_json"),
     "an unknown message field": (CHAT, dict(messages=[{**HI[0], "x": 1}]), "messages.0.x"),
     "max_completion_tokens NaN":
         (CHAT, dict(messages=HI, max_completion_tokens=math.nan), "max_completion_tokens"),
@@ -127,6 +128,29 @@ def test_invalid_requests(url, name):
     path, body, param = INVALID[name]
     status = 404 if name == "another model" else 400
     assert_error(post(url, path, json.dumps(body).encode()), status, param)
+
+
+def test_unknown_fields_are_ignored_logged_and_counted(url, workers):
+    """As vLLM's server does: 200 with the answer the known fields ask for; the decode worker
+    counts each name under a bounded label set."""
+    d = workers[1]
+    counted = 'pdserve_ignored_fields_total{field="no_stop_trim"}'
+    before = d.metric(counted, default=0.0)
+    body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "return_token_ids": True}
+    plain = httpx.post(f"{d.url}{COMPLETIONS}", json=body, timeout=60).json()
+    r = post(url, COMPLETIONS, json.dumps({**body, "no_stop_trim": True}).encode())
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    assert wait_until(lambda: d.metric(counted) == before + 1)
+    for i in range(40):  # clients choose the names: past 32 distinct ones, "other"
+        r = post(d.url, COMPLETIONS, json.dumps({**body, "max_tokens": 1, f"x{i}": 1}).encode())
+        assert r.status_code == 200, r.text
+    text = httpx.get(f"{d.url}/metrics", timeout=5).text
+    prefix = "pdserve_ignored_fields_total{"
+    labels = [line for line in text.splitlines() if line.startswith(prefix)]
+    assert len(labels) <= 33 and any('field="other"' in line for line in labels), labels
+    log = d.log_path.read_text(errors="replace")
+    assert "ignored the unknown request field 'no_stop_trim'" in log
 
 
 def test_malformed_kv_transfer_params(workers, proxy):

@@ -141,3 +141,31 @@ def test_bad_arguments_are_argparse_errors(tmp_path):
     ):
         proc = bench(*args, timeout=30)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
+
+
+def test_vllm_spellings_save_result_with_its_name_metadata_and_details(server, tmp_path):
+    """`vllm bench serve`'s output flags carry over: --save-result names the file as vLLM
+    does, --metadata lands on top of the JSON, --save-detailed adds vLLM's per-request lists."""
+    proc = bench(
+        "--base-url", server.url, "--num-prompts", "3", "--random-input-len", "8",
+        "--random-output-len", "4", "--max-concurrency", "2", "--request-rate", "50",
+        "--save-result", "--result-dir", str(tmp_path), "--label", "pd",
+        "--metadata", "cluster=local", "version=1", "--save-detailed",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    (path,) = tmp_path.glob("*.json")
+    assert path.name.startswith("pd-50.0qps-concurrency2-") and path.suffix == ".json"
+    result = json.loads(path.read_text())
+    assert (result["cluster"], result["version"], result["label"]) == ("local", "1", "pd")
+    assert result["model_id"] == result["tokenizer_id"] == result["model"]
+    assert (result["num_prompts"], result["request_rate"], result["max_concurrency"]) == (3, 50, 2)
+    assert result["input_lens"] == [r["prompt_len"] for r in result["requests"]]
+    assert result["output_lens"] == [4, 4, 4] and len(result["itls"]) == 3
+    assert all(t > 0 for t in result["ttfts"]) and result["errors"] == ["", "", ""]
+    named = tmp_path / "named"
+    proc = bench(
+        "--base-url", server.url, "--num-prompts", "1", "--random-input-len", "8",
+        "--random-output-len", "2", "--save-result", "--result-dir", str(named),
+        "--result-filename", "x.json", "--metadata", "bad",
+    )  # fmt: skip
+    assert proc.returncode == 2 and "KEY=VALUE" in proc.stderr

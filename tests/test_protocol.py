@@ -49,6 +49,19 @@ def test_prompt_shapes_are_accepted():
     assert completion(prompt=[[1], [2, 3]]).prompts == [[1], [2, 3]]
 
 
+@pytest.mark.parametrize("make", [completion, chat], ids=["completions", "chat"])
+def test_unknown_top_level_fields_are_ignored_as_vllm_does(make):
+    """vllm-router adds `no_stop_trim`; clients add their own. Not-implemented fields at their
+    inert value change nothing, so they pass too; inside the body a typo is still a 400."""
+    req = make(no_stop_trim=True, frobnicate={"x": 1}, use_beam_search=False, guided_json=None)
+    assert req.ignored_fields == ["frobnicate", "guided_json", "no_stop_trim", "use_beam_search"]
+    assert make().ignored_fields == []
+    assert make(max_tokens=3, frobnicate=1).to_sampling_params(100) == make(
+        max_tokens=3
+    ).to_sampling_params(100)
+    assert param_of(make, stream=True, stream_options={"bogus": 1}) == "stream_options.bogus"
+
+
 def test_missing_prompt_names_prompt():
     with pytest.raises(InvalidRequestError) as info:
         parse_request(CompletionRequest, {"max_tokens": 3})
@@ -68,7 +81,9 @@ def test_missing_prompt_names_prompt():
         ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),
         ({"stream": True, "stream_options": {"bogus": 1}}, "stream_options.bogus", "bogus"),
         ({"temperature": "hot"}, "temperature", "number"),
-        ({"frobnicate": 1}, "frobnicate", "Unrecognized request argument supplied: frobnicate"),
+        ({"guided_json": {"type": "object"}}, "guided_json", "guided_json is not supported"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+        ({"use_beam_search": True}, "use_beam_search", "not supported"),
     ],
 )
 def test_completion_400s(fields, param, words):
@@ -126,7 +141,9 @@ def test_completion_accepts_the_harmless_forms():
         ),
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "tools"),
         ({"tools": [{"type": "function", "function": {}}]}, "tools.0.function.name", "required"),
-        ({"echo": True}, "echo", "Unrecognized"),
+        ({"echo": True}, "echo", "echo is not supported"),
+        ({"logit_bias": {"1": 5}}, "logit_bias", "not supported"),
+        ({"guided_regex": "a+"}, "guided_regex", "not supported"),
     ],
 )
 def test_chat_400s(fields, param, words):

@@ -59,7 +59,7 @@ def post(server, path: str, **kwargs) -> httpx.Response:
         (dict(prompt="hi", max_tokens=500), "max_tokens"),
         (dict(prompt="hi", n=0), "n"),
         (dict(prompt="hi", temperature="hot"), "temperature"),
-        (dict(prompt="hi", bogus=1), "bogus"),
+        (dict(prompt="hi", prompt_logprobs=1), "prompt_logprobs"),
         (dict(prompt=""), "prompt"),
         (dict(prompt=[1, 2, VOCAB + 5]), "prompt"),
         (dict(prompt=[7] * 200), "prompt"),

@@ -28,6 +28,9 @@ class BenchConfig:
     slos_ms: dict[str, float] = field(default_factory=dict)  # --goodput
     result_file: str | None = None
     plot_dir: str | None = None
+    label: str | None = None  # vLLM's --label (default: the endpoint type)
+    metadata: dict[str, str] = field(default_factory=dict)  # vLLM's --metadata KEY=VALUE
+    save_detailed: bool = False  # vLLM's per-request lists in the result
 
     def __post_init__(self):
         if not self.base_url.startswith(("http://", "https://")):

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
+from benchmarks.serving.config import BenchConfig
 from benchmarks.serving.metrics import BenchmarkMetrics, percentile_name
 from benchmarks.serving.prometheus import server_metrics
 from benchmarks.serving.runner import RunResult
@@ -77,18 +78,37 @@ def format_table(
 
 
 def build_result(
-    metrics: BenchmarkMetrics, run: RunResult, args: dict, model: str, endpoint_type: str
+    metrics: BenchmarkMetrics, run: RunResult, args: dict, model: str, cfg: BenchConfig
 ) -> dict:
+    """The result JSON: vLLM's keys (`vllm bench serve --save-result`, so that scripts and
+    dashboards reading those carry over), then ours: `model`, `failures`, `args`, `requests`
+    (every record) and `server_metrics`. `--metadata` keys go on top, as vLLM puts them."""
     redacted = {k: ("***" if k == "api_key" and v else _finite(v)) for k, v in args.items()}
-    return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "model": model,
-        "endpoint_type": endpoint_type,
+    result = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "endpoint_type": cfg.endpoint_type,
+        "label": cfg.label or cfg.endpoint_type,
+        "model_id": model,
+        "tokenizer_id": model,
+        "num_prompts": cfg.num_prompts,
+        "request_rate": _finite(cfg.load.request_rate),
+        "burstiness": cfg.load.burstiness,
+        "max_concurrency": cfg.load.max_concurrency,
         **metrics.to_dict(),
+        "model": model,
+        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "args": redacted,
         "requests": [asdict(r) for r in run.records],
         "server_metrics": server_metrics(run.server_before, run.server_after),
     }
+    if cfg.save_detailed:  # vLLM's per-request lists; seconds, as vLLM writes them
+        records = run.records
+        result["input_lens"] = [r.prompt_len for r in records]
+        result["output_lens"] = [r.output_len for r in records]
+        result["ttfts"] = [r.ttft or 0.0 for r in records]
+        result["itls"] = [list(r.itl) for r in records]
+        result["errors"] = [r.error for r in records]
+    return {**result, **cfg.metadata}
 
 
 def _finite(value):

@@ -194,6 +194,12 @@ class ServerMetrics:
             "Seconds the model's compiled forward took to build at start-up (0: eager)",
             registry=r,
         )
+        self.ignored_fields = Counter(
+            "pdserve_ignored_fields",
+            "Unknown request fields ignored, by name (the first 32 names; then 'other')",
+            ["field"],
+            registry=r,
+        )
         self.descriptors = _DescriptorCollector()
         r.register(self.descriptors)
         self.handshakes = Counter(

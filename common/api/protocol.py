@@ -3,7 +3,11 @@
 Requests: `CompletionRequest`, `ChatCompletionRequest`. Parse a JSON body with
 `parse_request(Model, body)`, or call `Model.model_validate(body)` and turn a
 `pydantic.ValidationError` into a 400 with `validation_error_to_api_error`. Unknown fields are
-rejected (extra="forbid"); the error's `param` is the dotted location, e.g. "messages.0.content".
+rejected (extra="forbid") inside the body, e.g. "messages.0.bogus"; at its top level they are
+kept aside and ignored as vLLM ignores them (`ignored_fields`; the server logs and counts them:
+common/api/ignored_fields.py), except `NOT_IMPLEMENTED` ones set to a value that would change
+the answer, which are a 400 naming the field. The error's `param` is the dotted location, e.g.
+"messages.0.content".
 Ranges that the engine owns (temperature, top_p, ...) are checked by `to_sampling_params`, which
 raises `InvalidRequestError` with `param` = the request's field name.
 
@@ -73,6 +77,32 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# Fields that vLLM's server implements and this one does not: set to anything but their inert
+# value (None, False, empty) they would change the answer, so they are a 400, not ignored.
+NOT_IMPLEMENTED = frozenset(
+    {
+        "allowed_token_ids",
+        "audio",
+        "bad_words",
+        "echo",
+        "function_call",
+        "functions",
+        "guided_choice",
+        "guided_grammar",
+        "guided_json",
+        "guided_regex",
+        "logit_bias",
+        "logits_processors",
+        "prompt_logprobs",
+        "structured_outputs",
+        "suffix",
+        "truncate_prompt_tokens",
+        "use_beam_search",
+        "web_search_options",
+    }
+)
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
     include_obfuscation: bool | None = None  # OpenAI's; ignored
@@ -80,6 +110,8 @@ class StreamOptions(_Request):
 
 class _GenerationRequest(_Request):
     """Fields shared by both endpoints: sampling, streaming and vLLM's extensions."""
+
+    model_config = ConfigDict(extra="allow")  # unknown top-level fields: see the module doc
 
     model: str | None = None
     n: int = 1
@@ -107,7 +139,15 @@ class _GenerationRequest(_Request):
     def _check_stream_options(self) -> _GenerationRequest:
         if self.stream_options is not None and not self.stream:
             raise _invalid("stream_options can only be set when stream is true", "stream_options")
+        for name, value in (self.model_extra or {}).items():
+            if name in NOT_IMPLEMENTED and value not in (None, False, [], {}, ""):
+                raise _invalid(f"{name} is not supported", name)
         return self
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """The unknown top-level fields of the request, ignored."""
+        return sorted(self.model_extra or {})
 
     def _sampling_params(
         self, max_tokens: int, logprobs: int | None, names: dict[str, str]

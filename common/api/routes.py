@@ -17,11 +17,14 @@ def install_openai_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(request: Request):
         state.require_ready()
         body = await read_json_body(request, state.cfg.max_body_bytes)
-        return await create_completion(state, request, parse_request(CompletionRequest, body))
+        req = parse_request(CompletionRequest, body)
+        state.ignored_fields.note(req.ignored_fields, "/v1/completions")
+        return await create_completion(state, request, req)
 
     @app.post("/v1/chat/completions", openapi_extra=json_body_openapi(ChatCompletionRequest))
     async def chat_completions(request: Request):
         state.require_ready()
         body = await read_json_body(request, state.cfg.max_body_bytes)
         req = parse_request(ChatCompletionRequest, body)
+        state.ignored_fields.note(req.ignored_fields, "/v1/chat/completions")
         return await create_chat_completion(state, request, req)

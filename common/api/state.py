@@ -20,6 +20,7 @@ from typing import TypeVar
 
 from common.api.cli import ServerConfig
 from common.api.errors import NotFoundError, UnavailableError
+from common.api.ignored_fields import IgnoredFields
 from common.api.metrics import ServerMetrics
 from common.cpu import available_cores, format_cpu_list
 from common.engine.async_engine import AsyncEngine
@@ -41,6 +42,7 @@ class ServerState:
         self.cfg = cfg
         self.engine_factory = engine_factory
         self.metrics = ServerMetrics(cfg.role)
+        self.ignored_fields = IgnoredFields(self.metrics.ignored_fields)
         self.engine: AsyncEngine | None = None
         self.model_name = cfg.served_model_name or "starting"
         self.load_error: BaseException | None = None
