@@ -1,4 +1,4 @@
-.PHONY: setup run test chaos soak lint
+.PHONY: setup run test chaos soak interop lint
 
 setup:  ## set everything up, start a local cluster, ask it a question, stop it
 	bash deploy/setup.sh
@@ -14,6 +14,9 @@ chaos:  ## the chaos tests alone (kills, freezes and restarts of real workers; a
 
 soak:  ## 10 minutes, 64 streams, 10% aborts through proxy + 2 P + 2 D; exit 1 on leaks, hangs, RSS growth
 	.venv/bin/python benchmarks/soak.py --duration 600 $(ARGS)
+
+interop:  ## our proxy in front of vLLM's own P/D workers (vLLM's CPU build, installed once; minutes)
+	.venv/bin/python -m tests.interop.vllm_workers $(ARGS)
 
 lint:
 	.venv/bin/ruff check .

