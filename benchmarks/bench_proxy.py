@@ -67,13 +67,15 @@ class Processes:
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
+        self.names: list[str] = []
 
-    def start(self, name: str, cmd: list[str]) -> None:
+    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> None:
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 — lives with the child
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = dict(os.environ if env is None else env, PYTHONPATH=str(ROOT))
         self.procs.append(
             subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log, start_new_session=True)
         )
+        self.names.append(name)
 
     def stop(self) -> None:
         for p in self.procs:

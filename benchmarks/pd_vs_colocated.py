@@ -54,7 +54,6 @@ COLUMNS = {  # result key → table header
     "p99_itl_ms": "ITL p99",
 }
 DROPPED_KEYS = ("requests", "server_metrics", "args")  # per-request detail: not kept
-NAMES = ("prefill", "decode", "colocated", "proxy")  # the order start_systems starts them in
 
 
 @dataclass(frozen=True)
@@ -134,9 +133,14 @@ def wait_ok(url: str, procs: Processes, timeout: float = 300.0) -> None:
 
 
 def check_alive(procs: Processes) -> None:
-    dead = [f"{n} ({p.returncode})" for n, p in zip(NAMES, procs.procs) if p.poll() is not None]
+    children = zip(procs.names, procs.procs, strict=True)
+    dead = [f"{n} ({p.returncode})" for n, p in children if p.poll() is not None]
     if dead:
         sys.exit(f"{', '.join(dead)} exited; logs in {procs.log_dir}")
+
+
+def cpu_affinity(procs: Processes) -> dict[str, list[int]]:
+    return {n: sorted(os.sched_getaffinity(p.pid)) for n, p in zip(procs.names, procs.procs)}
 
 
 def measure(cfg: BenchConfig) -> dict:
@@ -172,14 +176,14 @@ def sweep(study: Study, urls: dict[str, str], procs: Processes) -> dict[str, lis
     return points
 
 
-def markdown_table(points: dict[str, list[dict]]) -> str:
+def markdown_table(points: dict[str, list[dict]], labels: dict[str, str] = SYSTEMS) -> str:
     head = "| rate (req/s) | system | done/failed | " + " | ".join(COLUMNS.values()) + " |"
     lines = [head, "|---:|---|---:|" + "---:|" * len(COLUMNS)]
     rows = sorted(((p["rate"], s, p) for s, ps in points.items() for p in ps), key=lambda r: r[:2])
     for rate, system, p in rows:
         cells = [_cell(p[key], key.endswith("_ms")) for key in COLUMNS]
         done = f"{p['completed']}/{p['failed']}"
-        lines.append(f"| {rate:g} | {SYSTEMS[system]} | {done} | " + " | ".join(cells) + " |")
+        lines.append(f"| {rate:g} | {labels[system]} | {done} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -189,30 +193,37 @@ def _cell(value: float | None, is_ms: bool) -> str:
     return f"{value:.0f}" if is_ms else f"{value:.2f}"
 
 
-def write_plots(points: dict[str, list[dict]], study: Study) -> list[Path]:
+def write_plots(
+    points: dict[str, list[dict]],
+    study: Study,
+    labels: dict[str, str] = SYSTEMS,
+    name: str = "pd_vs_colocated",
+    title: str = "P/D vs colocated: SmolLM2-135M, fp32, 2 CPU cores",
+) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     study.img_dir.mkdir(parents=True, exist_ok=True)
-    stem = study.img_dir / "pd_vs_colocated"
+    stem = study.img_dir / name
     slos = f"TTFT ≤ {study.ttft_slo_ms:g} ms and TPOT ≤ {study.tpot_slo_ms:g} ms"
+    look = dict(labels=labels, title=title)
     return [
         _plot(points, "request_goodput", f"goodput (req/s meeting {slos})", f"{stem}_goodput.png",
-              offered=True),
+              offered=True, **look),
         _plot(points, "p99_itl_ms", "ITL p99 (ms)", f"{stem}_itl_p99.png",
-              slo=("TPOT SLO", study.tpot_slo_ms)),
+              slo=("TPOT SLO", study.tpot_slo_ms), **look),
         _plot(points, "p99_ttft_ms", "TTFT p99 (ms)", f"{stem}_ttft_p99.png",
-              slo=("TTFT SLO", study.ttft_slo_ms)),
+              slo=("TTFT SLO", study.ttft_slo_ms), **look),
     ]  # fmt: skip
 
 
-def _plot(points, key: str, ylabel: str, path: str, offered=False, slo=None) -> Path:
+def _plot(points, key, ylabel, path, offered=False, slo=None, labels=SYSTEMS, title="") -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for system, ps in points.items():
         ys = [math.nan if p[key] is None else p[key] for p in ps]
-        ax.plot([p["rate"] for p in ps], ys, marker="o", label=SYSTEMS[system])
+        ax.plot([p["rate"] for p in ps], ys, marker="o", label=labels[system])
     rates = sorted({p["rate"] for ps in points.values() for p in ps})
     if offered:
         ax.plot(rates, rates, ls=":", color="gray", label="offered rate (the most possible)")
@@ -222,7 +233,7 @@ def _plot(points, key: str, ylabel: str, path: str, offered=False, slo=None) -> 
     ax.set_xlim(left=0)
     ax.set_xlabel("request rate (req/s, Poisson)")
     ax.set_ylabel(ylabel, fontsize=9)
-    ax.set_title("P/D vs colocated: SmolLM2-135M, fp32, 2 CPU cores", fontsize=10)
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=9)
     fig.tight_layout()
@@ -263,7 +274,7 @@ def main() -> None:
     procs = Processes(Path(tempfile.mkdtemp(prefix="pd_vs_colocated_")))
     try:
         urls = start_systems(procs, study)
-        affinity = {n: sorted(os.sched_getaffinity(p.pid)) for n, p in zip(NAMES, procs.procs)}
+        affinity = cpu_affinity(procs)
         single = calibrate(study, urls)
         points = sweep(study, urls, procs)
     finally:

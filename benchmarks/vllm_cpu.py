@@ -64,3 +64,48 @@ def run_vllm(
         raise RuntimeError(f"vLLM failed (exit {done.returncode}); its log: {log_file}")
     tok_s = json.loads(result[-1].removeprefix("VLLM_RESULT "))["tok_s"]
     return {int(batch): value for batch, value in tok_s.items()}
+
+
+def nixl_config(role: str) -> str:
+    """vLLM's --kv-transfer-config for its NixlConnector on CPU (UCX, KV in DRAM)."""
+    extra = {"backends": ["UCX"], "num_threads": 1}
+    config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+    return json.dumps({**config, "kv_connector_extra_config": extra})
+
+
+def server_command(
+    python: Path,
+    model: Path,
+    port: int,
+    cores: str,
+    kv_role: str | None = None,
+    side_port: int | None = None,
+    dtype: str = "float32",
+) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) of vLLM's OpenAI server on `cores` ("0", "0-1"), model served as "smol";
+    with `kv_role` (kv_producer | kv_consumer) a P/D worker over NixlConnector, its NIXL side
+    channel on `side_port`."""
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE="1",  # GiB
+        VLLM_CPU_OMP_THREADS_BIND=cores,
+        VLLM_CACHE_ROOT=str(BENCH_DIR / "vllm-cache"),
+        HF_HUB_OFFLINE="1",
+        UCX_TLS="cma,tcp",
+        UCX_NET_DEVICES="lo",
+    )
+    env.pop("PYTHONPATH", None)
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smol"]
+    cmd += ["--enforce-eager", "--dtype", dtype, "--max-model-len", "1024"]
+    if kv_role is not None:
+        env |= {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port), "VLLM_NIXL_SIDE_CHANNEL_HOST":
+                "127.0.0.1"}  # fmt: skip
+        cmd += ["--kv-transfer-config", nixl_config(kv_role)]
+    return cmd, env
+
+
+def ensure_nixl(python: Path, version: str = "1.5.1") -> None:
+    """NixlConnector needs `nixl` in vLLM's venv (the version pyproject.toml pins)."""
+    if subprocess.run([str(python), "-c", "import nixl"], capture_output=True).returncode != 0:
+        subprocess.run([str(python), "-m", "pip", "install", "-q", f"nixl=={version}"], check=True)

@@ -28,11 +28,10 @@ from pathlib import Path
 import httpx
 
 from benchmarks.bench_proxy import free_port
-from benchmarks.vllm_cpu import BENCH_DIR, ensure_vllm
+from benchmarks.vllm_cpu import ensure_nixl, ensure_vllm, server_command
 from common.model.default_model import default_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
-NIXL_VERSION = "1.5.1"  # as pyproject.toml pins it
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
@@ -42,40 +41,9 @@ PROMPTS = [
 MAX_TOKENS = 24
 
 
-def ensure_nixl(python: Path) -> None:
-    if subprocess.run([str(python), "-c", "import nixl"], capture_output=True).returncode != 0:
-        pip = [str(python), "-m", "pip", "install", "-q", f"nixl=={NIXL_VERSION}"]
-        subprocess.run(pip, check=True)
-
-
-def kv_config(role: str) -> str:
-    return json.dumps(
-        {
-            "kv_connector": "NixlConnector",
-            "kv_role": role,
-            "kv_buffer_device": "cpu",
-            "kv_connector_extra_config": {"backends": ["UCX"], "num_threads": 1},
-        }
-    )
-
-
 def start_vllm(stack, python: Path, model: Path, role: str, port: int, side: int, logs: Path):
-    env = dict(
-        os.environ,
-        VLLM_NIXL_SIDE_CHANNEL_PORT=str(side),
-        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
-        VLLM_CPU_KVCACHE_SPACE="1",  # GiB
-        VLLM_CPU_OMP_THREADS_BIND="0" if role == "kv_producer" else "1",
-        VLLM_CACHE_ROOT=str(BENCH_DIR / "vllm-cache"),
-        HF_HUB_OFFLINE="1",
-        UCX_TLS="cma,tcp",
-        UCX_NET_DEVICES="lo",
-    )
-    env.pop("PYTHONPATH", None)
-    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", "float32"]
-    cmd += ["--max-model-len", "1024", "--served-model-name", "smol"]
-    cmd += ["--kv-transfer-config", kv_config(role)]
+    cores = "0" if role == "kv_producer" else "1"
+    cmd, env = server_command(python, model, port, cores, role, side)
     return _spawn(stack, cmd, env, logs / f"vllm-{role}.log")
 
 
