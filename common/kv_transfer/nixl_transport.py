@@ -5,9 +5,9 @@ Contract
   with shape (2, num_blocks, block_size, num_kv_heads, head_dim), once.
 - A transfer is one descriptor per run of blocks that are consecutive on both sides, per K/V
   (layout.py `runs`): a request whose blocks are contiguous here and there moves each layer as
-  2 descriptors, built in O(runs) — no per-block work at posting. (Prepared
-  per-block lists cost O(blocks) per post and bought nothing over this on UCX: measured in
-  benchmarks/bench_transfer.py, docs/benchmarks.md.)
+  2 descriptors, built in O(runs) — no per-block work at posting. (Prepared per-block lists
+  cost O(blocks) per post and moved no faster on UCX, which coalesces adjacent descriptors
+  itself: docs/benchmarks.md, "KV transfer over NIXL".)
 - A peer is added from its `KVLayout` and its `metadata()`, both sent over any side channel;
   adding a known one again is a no-op; a layout that the peer's registered memory does not
   cover is refused then, not at its first transfer. A retired peer (a restarted worker's old
