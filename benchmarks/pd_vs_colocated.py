@@ -279,9 +279,15 @@ def main() -> None:
         points = sweep(study, urls, procs)
     finally:
         procs.stop()
+    report(study, started, load_start, affinity, single, points)
+
+
+def report(study, started, load_start, affinity, single, points, labels=SYSTEMS, **plot) -> None:
+    """Write the study's JSON and plots, print its table; `plot`: write_plots' name and title."""
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "study": asdict(study),
+        "systems": labels,
         "cpu_affinity": affinity,
         "load_avg_start": load_start,
         "load_avg_end": os.getloadavg(),
@@ -291,8 +297,8 @@ def main() -> None:
     }
     study.json_path.parent.mkdir(parents=True, exist_ok=True)
     study.json_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    print(f"\n{markdown_table(points)}\n\nWrote {study.json_path}")
-    for path in write_plots(points, study):
+    print(f"\n{markdown_table(points, labels)}\n\nWrote {study.json_path}")
+    for path in write_plots(points, study, labels, **plot):
         print(f"Wrote {path}")
     print(f"wall time {result['wall_s']:.0f} s; load average {load_start} → {os.getloadavg()}")
 

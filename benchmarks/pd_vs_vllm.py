@@ -23,14 +23,12 @@ the rate) and prints a markdown table.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import tempfile
 import time
-from dataclasses import asdict, replace
-from datetime import datetime, timezone
+from dataclasses import replace
 from pathlib import Path
 
 from benchmarks import pd_vs_colocated as study_lib
@@ -124,24 +122,11 @@ def main() -> None:
             points |= study_lib.sweep(study, urls, procs)
         finally:
             procs.stop()
-    result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "study": asdict(study),
-        "systems": SYSTEMS,
-        "cpu_affinity": affinity,
-        "load_avg_start": load_start,
-        "load_avg_end": os.getloadavg(),
-        "wall_s": time.monotonic() - started,
-        "single_request": single,
-        "points": points,
-    }
-    study.json_path.parent.mkdir(parents=True, exist_ok=True)
-    study.json_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    print(f"\n{study_lib.markdown_table(points, SYSTEMS)}\n\nWrote {study.json_path}")
     title = "ours vs vLLM, P/D and colocated: SmolLM2-135M, fp32, 2 CPU cores"
-    for path in study_lib.write_plots(points, study, SYSTEMS, "pd_vs_vllm", title):
-        print(f"Wrote {path}")
-    print(f"wall time {result['wall_s']:.0f} s; load average {load_start} → {os.getloadavg()}")
+    study_lib.report(
+        study, started, load_start, affinity, single, points, SYSTEMS, name="pd_vs_vllm",
+        title=title,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

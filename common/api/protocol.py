@@ -2,12 +2,12 @@
 
 Requests: `CompletionRequest`, `ChatCompletionRequest`. Parse a JSON body with
 `parse_request(Model, body)`, or call `Model.model_validate(body)` and turn a
-`pydantic.ValidationError` into a 400 with `validation_error_to_api_error`. Unknown fields are
-rejected (extra="forbid") inside the body, e.g. "messages.0.bogus"; at its top level they are
-kept aside and ignored as vLLM ignores them (`ignored_fields`; the server logs and counts them:
-common/api/ignored_fields.py), except `NOT_IMPLEMENTED` ones set to a value that would change
-the answer, which are a 400 naming the field. The error's `param` is the dotted location, e.g.
-"messages.0.content".
+`pydantic.ValidationError` into a 400 with `validation_error_to_api_error` (validation.py,
+re-exported here). Unknown fields are rejected (extra="forbid") inside the body, e.g.
+"messages.0.bogus"; at its top level they are kept aside and ignored as vLLM ignores them
+(`ignored_fields`; the server logs and counts them: common/api/ignored_fields.py), except
+`NOT_IMPLEMENTED` ones set to a value that would change the answer, which are a 400 naming the
+field. The error's `param` is the dotted location, e.g. "messages.0.content".
 Ranges that the engine owns (temperature, top_p, ...) are checked by `to_sampling_params`, which
 raises `InvalidRequestError` with `param` = the request's field name.
 
@@ -56,6 +56,7 @@ from common.api.responses import (  # noqa: F401 (re-exported)
     UsageInfo,
     random_id,
 )
+from common.api.validation import validation_error_to_api_error  # noqa: F401 (re-exported)
 from common.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the proxy imports these models without torch or tokenizers
@@ -360,49 +361,6 @@ def parse_request(model: type[RequestT], body: dict[str, Any] | str | bytes) -> 
         return model.model_validate_json(body)
     except ValidationError as e:
         raise validation_error_to_api_error(e) from e
-
-
-def validation_error_to_api_error(exc: ValidationError) -> InvalidRequestError:
-    """The first error as a 400; `param` is its dotted location ("messages.0.content").
-
-    Also takes FastAPI's `RequestValidationError` (its leading "body" location is dropped).
-    """
-    errors = [{**e, "loc": _strip_body(e["loc"])} for e in exc.errors()]
-    if not errors:
-        return InvalidRequestError("invalid request")
-    first = errors[0]
-    if first["type"] == "invalid_request":
-        param = first["ctx"].get("param") or _dotted(first["loc"])
-        return InvalidRequestError(first["msg"], param=param)
-    if first["type"] == "extra_forbidden":
-        param = _dotted(first["loc"])
-        return InvalidRequestError(f"Unrecognized request argument supplied: {param}", param=param)
-    # a union reports one error per member (locs end in "str", "list[int]", ...): keep the field
-    same_field = [e["loc"] for e in errors if e["loc"][:1] == first["loc"][:1]]
-    loc = _common_prefix(same_field)
-    param = _dotted(loc)
-    if not param:
-        return InvalidRequestError(first["msg"])
-    if len(loc) < len(first["loc"]):
-        message = f"{param}: matches no accepted type ({first['msg']}, ...)"
-        return InvalidRequestError(message, param=param)
-    return InvalidRequestError(f"{param}: {first['msg']}", param=param)
-
-
-def _strip_body(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
-    return tuple(loc[1:]) if loc[:1] == ("body",) else tuple(loc)
-
-
-def _common_prefix(locs: list[tuple[int | str, ...]]) -> tuple[int | str, ...]:
-    prefix = locs[0]
-    for loc in locs[1:]:
-        size = next((i for i, (a, b) in enumerate(zip(prefix, loc)) if a != b), len(prefix))
-        prefix = prefix[: min(size, len(loc))]
-    return prefix
-
-
-def _dotted(loc: tuple[int | str, ...]) -> str:
-    return ".".join(str(part) for part in loc)
 
 
 def _is_prompt_list(prompt: list) -> bool:

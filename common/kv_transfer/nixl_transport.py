@@ -5,9 +5,7 @@ Contract
   with shape (2, num_blocks, block_size, num_kv_heads, head_dim), once.
 - A transfer is one descriptor per run of blocks that are consecutive on both sides, per K/V
   (layout.py `runs`): a request whose blocks are contiguous here and there moves each layer as
-  2 descriptors, built in O(runs) — no per-block work at posting. (Prepared per-block lists
-  cost O(blocks) per post and moved no faster on UCX, which coalesces adjacent descriptors
-  itself: docs/benchmarks.md, "KV transfer over NIXL".)
+  2 descriptors, built in O(runs) — no per-block work at posting (docs/benchmarks.md).
 - A peer is added from its `KVLayout` and its `metadata()`, both sent over any side channel;
   adding a known one again is a no-op; a layout that the peer's registered memory does not
   cover is refused then, not at its first transfer. A retired peer (a restarted worker's old
@@ -50,7 +48,7 @@ from typing import Any
 
 import torch
 
-from common.kv_transfer.layout import KVLayout, check_kv_caches, runs
+from common.kv_transfer.layout import KVLayout, check_kv_caches, registration_regions, runs
 from common.kv_transfer.nixl_agent import create_agent
 from common.kv_transfer.peers import Peer, stale_peers
 from common.kv_transfer.transfers import (
@@ -90,7 +88,8 @@ class NixlTransport:
         self._agent = create_agent(agent_name, progress_delay_us)
         self.layout = KVLayout.of(engine_id, agent_name, kv_caches)
         self._kv_caches = list(kv_caches)  # registered memory must outlive the agent's use of it
-        regions = [(addr, size, self.layout.device_id, "") for addr, size in _regions(kv_caches)]
+        device = self.layout.device_id
+        regions = [(addr, size, device, "") for addr, size in registration_regions(kv_caches)]
         self._registered = self._agent.register_memory(regions, self.layout.mem_type)
         self._peers: dict[str, Peer] = {}  # written only on the transfer thread
         self._inflight: list[TransferJob] = []  # transfer thread only
@@ -317,7 +316,7 @@ class NixlTransport:
                 still.append(job)
         finished = len(still) < len(self._inflight)
         self._inflight = still
-        self._aborting = [job for job in self._aborting if not self._try_settle(job)]
+        self._aborting = [job for job in self._aborting if not job.try_settle(self._agent)]
         return finished
 
     def _settle(self, job: TransferJob, state: str) -> bool:
@@ -333,41 +332,12 @@ class NixlTransport:
         return job.future.done()
 
     def _finish(self, job: TransferJob) -> None:
-        seconds = time.monotonic() - job.started
-        if not self._release(job):
+        if not job.finish():  # NIXL kept the handle: settled once it lets go
             self._aborting.append(job)
-        job.future._is_settled = job.handle is None
-        result = TransferResult(job.num_bytes, seconds, len(job.local_descs), job.post_s)
-        job.future.set_result(result)
 
     def _fail(self, job: TransferJob, exc: BaseException) -> None:
-        if not self._release(job):  # releasing an in-flight handle aborts it; data is partial
+        if not job.fail(exc):  # releasing an in-flight handle aborts it; data is partial
             self._aborting.append(job)  # may still move data: settled once NIXL lets go
-        job.future._is_settled = job.handle is None
-        if not job.future.done():
-            job.future.set_exception(exc)
-
-    def _release(self, job: TransferJob) -> bool:
-        """Release the job's handle; False (handle kept) if NIXL refused."""
-        if job.handle is not None:
-            try:
-                job.handle.release()
-            except Exception as e:
-                logger.warning("releasing a %s handle with %s failed: %r", job.op, job.peer, e)
-                return False
-            job.handle = None
-        return True
-
-    def _try_settle(self, job: TransferJob) -> bool:
-        """An aborted job whose handle NIXL refused to release: release it once the transfer
-        is no longer in progress. True once settled."""
-        try:
-            state = self._agent.check_xfer_state(job.handle)
-        except Exception:  # noqa: BLE001 — the peer is gone: nothing can move any more
-            state = "ERR"
-        if state != "PROC" and self._release(job):
-            job.future._is_settled = True
-        return job.future._is_settled
 
     def _add_peer(self, layout: KVLayout, metadata: bytes) -> None:
         known = self._peers.get(layout.engine_id)
@@ -426,21 +396,3 @@ class NixlTransport:
         for engine_id in list(self._peers):
             self._drop_peer(engine_id)
         self._agent.deregister_memory(self._registered)
-
-
-def _regions(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
-    """(addr, bytes) to register: layers that are adjacent views of one storage become one
-    region (UCX then looks up one memory key for a READ of every layer, not one per layer:
-    ~25% faster at 512 tokens here); separate allocations stay separate regions."""
-    spans = sorted(
-        (t.data_ptr(), t.numel() * t.element_size(), t.untyped_storage().data_ptr())
-        for t in tensors
-    )
-    regions: list[list[int]] = []
-    for addr, size, storage in spans:
-        last = regions[-1] if regions else None
-        if last is not None and last[2] == storage and last[0] + last[1] == addr:
-            last[1] += size
-        else:
-            regions.append([addr, size, storage])
-    return [(addr, size) for addr, size, _ in regions]

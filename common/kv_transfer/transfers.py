@@ -6,11 +6,15 @@ bytes is common/kv_transfer/nixl_transport.py.
 
 from __future__ import annotations
 
+import logging
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 
 class TransferError(ConnectionError):
@@ -72,6 +76,45 @@ class TransferJob:
     handle: Any = None
     started: float = 0.0
     post_s: float = 0.0
+
+    def finish(self) -> bool:
+        """DONE: release the handle and report the result; True if settled (released)."""
+        seconds = time.monotonic() - self.started
+        settled = self.release()
+        self.future._is_settled = settled
+        result = TransferResult(self.num_bytes, seconds, len(self.local_descs), self.post_s)
+        self.future.set_result(result)
+        return settled
+
+    def fail(self, exc: BaseException) -> bool:
+        """Release the handle (aborting an in-flight transfer) and report `exc` unless the
+        Future is done already; True if settled."""
+        settled = self.release()
+        self.future._is_settled = settled
+        if not self.future.done():
+            self.future.set_exception(exc)
+        return settled
+
+    def try_settle(self, agent: Any) -> bool:
+        """A failed job whose handle NIXL refused to release: release it once the transfer is
+        no longer in progress. True once settled."""
+        try:
+            state = agent.check_xfer_state(self.handle)
+        except Exception:  # noqa: BLE001 — the peer is gone: nothing can move any more
+            state = "ERR"
+        return state != "PROC" and self.release()
+
+    def release(self) -> bool:
+        """Release the handle; False (handle kept) if NIXL refused. Settles the Future."""
+        if self.handle is not None:
+            try:
+                self.handle.release()
+            except Exception as e:
+                logger.warning("releasing a %s handle with %s failed: %r", self.op, self.peer, e)
+                return False
+            self.handle = None
+        self.future._is_settled = True
+        return True
 
 
 def as_transfer_error(job: TransferJob, exc: Exception) -> Exception:
