@@ -116,8 +116,9 @@ def expected_output(batch: Batch, sliding_window: int | None) -> torch.Tensor:
 @pytest.mark.parametrize("seqs", [MIXED, DECODES_ONLY, PREFILLS_ONLY], ids=["mixed", "dec", "pre"])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("sliding_window", [None, 5])
-def test_torch_paged_matches_dense_reference(seqs, block_size, sliding_window):
-    backend = TorchPagedBackend()
+@pytest.mark.parametrize("compiled_decode", [False, True], ids=["sdpa", "fused"])
+def test_torch_paged_matches_dense_reference(seqs, block_size, sliding_window, compiled_decode):
+    backend = TorchPagedBackend(compiled_decode)
     layers = [build_batch(seqs, block_size, seed) for seed in (1, 2)]
     meta = layers[0].meta  # shared by both layers, as in one step (with its memo)
     for batch in layers:

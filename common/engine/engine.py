@@ -58,7 +58,9 @@ class LLMEngine:
         logger.info("dtype %s (--dtype %s: %s)", str(dtype).removeprefix("torch."), mc.dtype, why)
         torch.manual_seed(mc.seed)
         self.model = load_model(model_dir, dtype, self.device, self.max_model_len)
-        backend = select_backend(self.device, dtype, cc.block_size, mc.attention_backend)
+        backend = select_backend(
+            self.device, dtype, cc.block_size, mc.attention_backend, not mc.enforce_eager
+        )
         for layer in self.model.attention_layers().values():
             layer.backend = backend
         self.num_blocks = cc.num_blocks or num_blocks_for_memory(

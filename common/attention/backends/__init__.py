@@ -23,18 +23,24 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
 
 
 def select_backend(
-    device: torch.device, dtype: torch.dtype, block_size: int, name: str | None = None
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    name: str | None = None,
+    compiled: bool = False,
 ) -> AttentionBackend:
+    """`compiled`: the engine's compiled path (not --enforce-eager); the torch backend then
+    runs decodes as one compiled kernel."""
     if name is not None:
         if name not in BACKENDS:
             raise ValueError(f"attention backend must be one of {sorted(BACKENDS)}, got {name!r}")
         why = BACKENDS[name].unsupported_reason(device, dtype, block_size)
         if why:
             raise ValueError(f"attention backend {name!r} cannot run here: {why}")
-        backend = BACKENDS[name]()
+        backend = TorchPagedBackend(compiled) if name == "torch" else BACKENDS[name]()
     else:
         why = FlashAttentionBackend.unsupported_reason(device, dtype, block_size)
-        backend = TorchPagedBackend() if why else FlashAttentionBackend()
+        backend = TorchPagedBackend(compiled) if why else FlashAttentionBackend()
         if why:
             logger.info("flash attention not used: %s", why)
     logger.info("attention backend: %s", backend.name)
