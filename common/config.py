@@ -117,9 +117,43 @@ class TransferConfig:
             raise ValueError("kv lease and load timeouts must be > 0 seconds")
 
 
+_ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """Prefix-cache changes published over ZMQ in vLLM's KV events format
+    (common/kv_cache/event_publisher.py). `endpoint=None`: off."""
+
+    endpoint: str | None = None  # PUB; binds with a wildcard host (tcp://*:5557), else connects
+    replay_endpoint: str | None = None  # ROUTER (always bound) resending buffered batches
+    topic: str = ""
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread; more are dropped
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # ZMQ send high-water mark: past it, slow subscribers miss messages
+
+    def __post_init__(self) -> None:
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(_ZMQ_TRANSPORTS):
+                raise ValueError(
+                    f"kv_events {name} must be a tcp://, ipc:// or inproc:// ZMQ "
+                    f"endpoint, got {value!r}"
+                )
+        if self.replay_endpoint is not None and self.endpoint is None:
+            raise ValueError("a kv_events replay endpoint needs a kv_events endpoint")
+        if min(self.max_queue_size, self.buffer_steps, self.hwm) < 1:
+            raise ValueError("kv_events queue size, buffer steps and hwm must be >= 1")
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.endpoint is not None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)

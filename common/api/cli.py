@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from common.config import (
     CacheConfig,
     EngineConfig,
+    KVEventsConfig,
     ModelConfig,
     SchedulerConfig,
     TransferConfig,
@@ -71,6 +72,7 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     _add_scheduler_args(p)
     _add_server_args(p, role)
     _add_kv_transfer_args(p)
+    _add_kv_events_args(p)
     _add_cpu_budget(p)
     return p
 
@@ -215,6 +217,36 @@ def _add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_kv_events_args(p: argparse.ArgumentParser) -> None:
+    add = p.add_argument_group(
+        "KV events",
+        "Publish prefix-cache changes (BlockStored, BlockRemoved, AllBlocksCleared) over ZMQ in "
+        "vLLM's KV events format, for KV-aware routers (docs/interop.md).",
+    ).add_argument
+    add(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="ENDPOINT",
+        help="ZMQ PUB endpoint, e.g. tcp://*:5557: bound when its host is a wildcard (or ipc://, "
+        "inproc://), connected to otherwise, as vLLM does (default: off)",
+    )
+    add(
+        "--kv-events-replay-endpoint",
+        default=None,
+        metavar="ENDPOINT",
+        help="ZMQ ROUTER endpoint (bound) that resends buffered batches from a sequence number, "
+        "e.g. tcp://*:5558 (default: none)",
+    )
+    add("--kv-events-topic", default="", help="topic frame of every message (default: empty)")
+    add(
+        "--kv-events-queue-size",
+        type=int,
+        default=100_000,
+        help="event batches waiting to be sent; past it batches are dropped and counted "
+        "(pdserve_kv_events_dropped_total)",
+    )
+
+
 def _add_cpu_budget(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group(
         "CPU budget",
@@ -270,6 +302,12 @@ def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, 
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens
+            ),
+            kv_events=KVEventsConfig(
+                endpoint=a.kv_events_endpoint,
+                replay_endpoint=a.kv_events_replay_endpoint,
+                topic=a.kv_events_topic,
+                max_queue_size=a.kv_events_queue_size,
             ),
         )
         server = ServerConfig(

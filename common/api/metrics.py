@@ -146,6 +146,10 @@ class ServerMetrics:
                     " given up or expired before every chunk landed",
                 ),
                 ("kv_checksum_failures", "KV loads whose checksum did not match P's"),
+                (
+                    "kv_events_dropped",
+                    "KV event batches dropped because the publisher's queue was full",
+                ),
             )
         }
         self.blocks_held = Gauge(

@@ -19,6 +19,11 @@ Fail closed: once the thread ends (a step raised, or `stop`), every request bein
 every call still queued and every later call or request fails at once with `EngineDeadError`;
 nothing waits forever. `on_death(error)` runs on the event loop when a failure ended it.
 
+KV events: with `engine.config.kv_events` on, the thread attaches a collector to the block pool
+and publishes what the prefix cache recorded after every step (and after commands and transfer
+polls while idle, which can evict or reset too) as one batch; the publisher is closed when
+the thread ends.
+
 Test hook: with `PDSERVE_FAULT_ENGINE_STEP=N` in the environment, the N-th engine step (1-based)
 raises `InjectedFaultError` instead of running, which kills the thread as a real fault would.
 Unset (production), it costs one integer comparison per step.
@@ -40,6 +45,8 @@ from common.cpu import set_torch_threads
 from common.engine.engine import LLMEngine
 from common.engine.output import RequestOutput
 from common.engine.sampling_params import SamplingParams
+from common.kv_cache.event_publisher import KVEventPublisher
+from common.kv_cache.events import KVEventCollector
 from common.kv_transfer.transfers import DescriptorHistogram
 
 logger = logging.getLogger(__name__)
@@ -82,6 +89,7 @@ class EngineStats:
     kv_loaded_requests: dict[str, int] = field(default_factory=dict)  # by mode
     kv_recomputed: dict[str, int] = field(default_factory=dict)  # by reason
     kv_pushes_in_flight: int = 0  # P: push requests whose writes have not settled
+    kv_events_dropped: int = 0  # KV event batches the publisher's queue had no room for
     kv_descriptors: dict[str, DescriptorHistogram] = field(default_factory=dict)  # read | write
 
 
@@ -97,6 +105,7 @@ class AsyncEngine:
         self._num_threads_wanted = num_threads
         self.num_threads: int | None = None  # torch's intra-op threads on the engine thread
         self.engine: LLMEngine | None = None
+        self.kv_events: KVEventPublisher | None = None  # set when the engine is built
         # (command, its caller's future or None); guarded by _lock against _close
         self._commands: deque[tuple[Callable[[], None], Future | None]] = deque()
         self._lock = threading.Lock()
@@ -216,8 +225,10 @@ class AsyncEngine:
             self._fault_step = _fault_step_from_env()
             self.num_threads = set_torch_threads(self._num_threads_wanted)
             self.engine = self._factory()
+            self._start_kv_events()
         except BaseException as e:  # noqa: BLE001 — handed to start()
             self.error = e
+            self._release()
             built.set_exception(e)
             return
         built.set_result(None)
@@ -230,8 +241,15 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._fail_all, self._closed_by, e)
         finally:
             self._close(self._closed_by or EngineDeadError("the engine has stopped"))
-            if self.engine.connector is not None and hasattr(self.engine.connector, "close"):
-                self.engine.connector.close()
+            self._release()
+
+    def _release(self) -> None:
+        """Close what the engine thread opened: the connector, the KV events publisher."""
+        connector = self.engine.connector if self.engine is not None else None
+        if connector is not None and hasattr(connector, "close"):
+            connector.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def _loop_until_stopped(self) -> None:
         while not self._stopping:
@@ -240,6 +258,7 @@ class AsyncEngine:
                 self._step()
                 continue
             self.engine.poll_transfers()  # notifications and leases, while idle
+            self._publish_kv_events()
             self._refresh_stats()
             if self.engine.has_unfinished_requests():  # pushed KV just landed
                 continue
@@ -251,6 +270,17 @@ class AsyncEngine:
         if self._num_steps == self._fault_step:
             raise InjectedFaultError(f"{FAULT_STEP_ENV}={self._fault_step}: this step fails")
         self._publish(self.engine.step())
+        self._publish_kv_events()
+
+    def _start_kv_events(self) -> None:
+        cfg = self.engine.config.kv_events
+        if cfg.is_enabled:
+            self.kv_events = KVEventPublisher(cfg)
+            self.engine.pool.events = KVEventCollector(self.engine.config.cache.block_size)
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.engine.pool.take_events())
 
     def _add(
         self,
@@ -319,6 +349,7 @@ class AsyncEngine:
             kv_loaded_requests=dict(transfer.loaded_requests) if transfer else {},
             kv_recomputed=dict(transfer.recomputed) if transfer else {},
             kv_pushes_in_flight=len(connector.pushes) if hasattr(connector, "pushes") else 0,
+            kv_events_dropped=self.kv_events.num_dropped if self.kv_events is not None else 0,
             kv_descriptors={
                 op: stats.descriptors_a_layer.copy()
                 for op, stats in (("read", transfer), ("write", pushed))

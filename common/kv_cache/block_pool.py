@@ -8,12 +8,18 @@ Every block is in exactly one of three states:
 
 Allocation prefers a contiguous run of block ids (NIXL merges descriptors of adjacent memory,
 so contiguous blocks move as one transfer), first right after a request's last block.
+
+With `events` set (a `KVEventCollector`, when KV events are published), a cached block that is
+evicted is recorded as removed and a reset that empties the cache as cleared; the cache manager
+records stored blocks (it knows their tokens). `take_events()` hands them over, once per step.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+
+from common.kv_cache.events import KVCacheEvent, KVEventCollector
 
 _EMPTY, _TAKEN = 1, 0
 
@@ -41,6 +47,7 @@ class BlockPool:
         self._by_hash: dict[int, Block] = {}
         self.num_hits = 0
         self.num_queries = 0
+        self.events: KVEventCollector | None = None  # None: no KV events published
 
     # -- accounting -------------------------------------------------------------------------
     @property
@@ -102,18 +109,31 @@ class BlockPool:
         self.num_hits += len(hits)
         return hits
 
-    def cache(self, block: Block, block_hash: int) -> None:
-        """Register a full, computed block under its hash chain value."""
+    def cache(self, block: Block, block_hash: int) -> bool:
+        """Register a full, computed block under its hash chain value; False if it was already
+        registered, or its hash was (by another block)."""
         if not self.enable_prefix_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self._by_hash:  # same content computed twice; keep the first
-            return
+            return False
         block.block_hash = block_hash
         self._by_hash[block_hash] = block
+        return True
 
     def reset_prefix_cache(self) -> None:
+        """Evict every cached block; blocks in use keep their hashes."""
         for block in list(self._cached.values()):
             self._evict(block)
+        if self.events is not None and not self._by_hash:
+            self.events.cleared()
+
+    def cached_hashes(self) -> set[int]:
+        """The hashes a prefix lookup can hit now (cached and in-use blocks)."""
+        return set(self._by_hash)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The prefix cache's changes since the last call, oldest first."""
+        return [] if self.events is None else self.events.take()
 
     # -- internals --------------------------------------------------------------------------
     def _find_run(self, num: int, after: int | None) -> list[int] | None:
@@ -140,6 +160,8 @@ class BlockPool:
         assert block.ref_count == 0, f"evicting block {block.block_id} in use"
         self._cached.pop(block.block_id)
         del self._by_hash[block.block_hash]
+        if self.events is not None:
+            self.events.removed(block.block_hash)
         block.block_hash = None
         self._mark_empty(block.block_id)
 

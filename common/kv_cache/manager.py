@@ -73,8 +73,15 @@ class KVCacheManager:
             return
         self._update_hashes(seq)
         num_full = min(num_computed_tokens // self.block_size, len(seq.block_hashes))
-        for block, block_hash in zip(seq.blocks[:num_full], seq.block_hashes[:num_full]):
-            self.pool.cache(block, block_hash)
+        for i, (block, block_hash) in enumerate(zip(seq.blocks[:num_full], seq.block_hashes)):
+            if self.pool.cache(block, block_hash) and self.pool.events is not None:
+                self._record_stored(seq, i)
+
+    def _record_stored(self, seq: CacheSeq, i: int) -> None:
+        """A KV event for block i of `seq`, newly in the prefix cache."""
+        parent = seq.block_hashes[i - 1] if i else None
+        tokens = seq.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
+        self.pool.events.stored(seq.block_hashes[i], parent, tokens)
 
     def free(self, seq: CacheSeq) -> None:
         self.pool.free(list(reversed(seq.blocks)))
