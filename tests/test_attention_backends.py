@@ -118,7 +118,7 @@ def expected_output(batch: Batch, sliding_window: int | None) -> torch.Tensor:
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("compiled_decode", [False, True], ids=["sdpa", "fused"])
 def test_torch_paged_matches_dense_reference(seqs, block_size, sliding_window, compiled_decode):
-    backend = TorchPagedBackend(compiled_decode)
+    backend = TorchPagedBackend(compiled_decode, fused_min_tokens=0)  # fused for any batch
     layers = [build_batch(seqs, block_size, seed) for seed in (1, 2)]
     meta = layers[0].meta  # shared by both layers, as in one step (with its memo)
     for batch in layers:

@@ -6,7 +6,6 @@ whose computed tokens catch up with its known tokens this step is sampled.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -58,11 +57,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> float:
-        """Compile now, at start-up, not on the first request: a dummy 2-token prefill (the
-        graph is dynamic in the token count) and a step of two decodes. Their KV lands in
-        blocks 0 and 1, which no request holds yet. Returns the seconds it took."""
+        """Compile now, at start-up, not on the first request: one dummy 2-token forward (the
+        graph is dynamic in the token count), then the attention backend's own kernels. Its KV
+        lands in block 0, which no request holds yet. Returns the seconds it took."""
         start = time.perf_counter()
-        prefill = AttentionMetadata(
+        meta = AttentionMetadata(
             slot_mapping=self._tensor([0, 1]),
             query_start_loc=[0, 2],
             seq_lens=[2],
@@ -72,25 +71,11 @@ class ModelRunner:
             block_size=self.block_size,
             request_ids=["warm-up"],
         )
-        # then two decodes of 5 tokens (the compiled decode attention); NOTE: sizes unlike each
-        # other and the model's head counts, so that no two are compiled as "the same size"
-        num_blocks = next(iter(self.kv_caches.values())).shape[1]
-        table = [min(i, num_blocks - 1) for i in range(-(-5 // self.block_size))]  # unheld
-        slot = table[4 // self.block_size] * self.block_size + 4 % self.block_size
-        decode = dataclasses.replace(
-            prefill,
-            slot_mapping=self._tensor([slot, slot]),
-            query_start_loc=[0, 1, 2],
-            seq_lens=[5, 5],
-            block_table=self._tensor(table + table).view(2, -1),
-            seq_lens_tensor=self._tensor([5, 5]),
-            num_decodes=2,
-            request_ids=["warm-up-0", "warm-up-1"],
-        )
-        for meta, positions in ((prefill, [0, 1]), (decode, [4, 4])):
-            with forward_context(ForwardContext(meta, self.layers, self.kv_caches)):
-                hidden = self.forward(self._tensor([0, 0]), self._tensor(positions))
-            self.model.compute_logits(hidden)
+        with forward_context(ForwardContext(meta, self.layers, self.kv_caches)):
+            hidden = self.forward(self._tensor([0, 0]), self._tensor([0, 1]))
+        self.model.compute_logits(hidden)
+        layer = next(iter(self.layers.values()))
+        layer.backend.warm_up(list(self.kv_caches.values()), layer.num_heads)
         seconds = time.perf_counter() - start
         logger.info("model compiled in %.1f s", seconds)
         return seconds

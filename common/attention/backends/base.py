@@ -19,6 +19,11 @@ class AttentionBackend(ABC):
         """None when the backend can run with these settings, else why not."""
         return None
 
+    def warm_up(self, kv_caches: list[torch.Tensor], num_heads: int) -> None:
+        """Compile what the backend compiles, at start-up (every layer's cache; `num_heads`
+        query heads). Nothing by default."""
+        return None
+
     @abstractmethod
     def forward(
         self,

@@ -4,10 +4,11 @@ Decodes (one query each) are batched: their blocks are gathered into a padded (B
 and masked by length. Prefill chunks run one sequence at a time with a bottom-right causal mask
 over cached prefix + new tokens; a chunk with no cached prefix attends to its own K/V directly.
 
-With `compiled_decode` (the engine's compiled path), a batch of two or more decodes runs as one
-torch.compile'd kernel that reads each context straight from the cache by slot and accumulates
-in float32: no gathered copy of K/V, no mask tensor (docs/benchmarks.md: 1.2-2x SDPA on the
-gathered context at batch 8-32 on CPU). Eager (`--enforce-eager`) keeps SDPA.
+With `compiled_decode` (the engine's compiled path), a step's decodes with enough context
+(`FUSED_MIN_TOKENS`) run as one torch.compile'd kernel that reads each context straight from
+the cache by slot and accumulates in float32: no gathered copy of K/V, no mask tensor
+(docs/benchmarks.md: up to 1.5x SDPA on the gathered context in bf16, 3.9x in fp32, at batch
+32). Eager (`--enforce-eager`) keeps SDPA.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from common.attention.metadata import AttentionMetadata
 class TorchPagedBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, compiled_decode: bool = False):
+    def __init__(self, compiled_decode: bool = False, fused_min_tokens: int | None = None):
         self.compiled_decode = compiled_decode
+        self.fused_min_tokens = FUSED_MIN_TOKENS if fused_min_tokens is None else fused_min_tokens
         self._attend_by_slot = _compiled(_attend_by_slot) if compiled_decode else None
 
     def forward(
@@ -41,7 +43,7 @@ class TorchPagedBackend(AttentionBackend):
         write_kv(kv_cache, key, value, meta.slot_mapping)
         out = torch.empty_like(query)
         nd = meta.num_decodes
-        if nd > 1 and self._attend_by_slot is not None:
+        if self._attend_by_slot is not None and self._fused_pays(meta, nd):
             out[:nd] = _decode_fused(
                 self._attend_by_slot, query[:nd], kv_cache, meta, scale, sliding_window
             )
@@ -55,6 +57,30 @@ class TorchPagedBackend(AttentionBackend):
                 k, v = _gather_one(kv_cache, meta.block_table[i], meta.seq_lens[i])
             out[start:end] = _prefill(query[start:end], k, v, scale, sliding_window)
         return out
+
+    def warm_up(self, kv_caches: list[torch.Tensor], num_heads: int) -> None:
+        """Compile the decode kernel over every layer's cache (dynamo guards on where a view
+        starts, so the second layer generalizes the first graph): two queries over slots 0-4.
+        NOTE: sizes unlike each other and the head counts, so that no two dimensions are
+        compiled as "the same size"; it only reads the cache."""
+        if self._attend_by_slot is None:
+            return
+        for kv_cache in kv_caches:
+            heads, dim = kv_cache.shape[3:]
+            flat = kv_cache.view(2, -1, heads, dim)
+            q = kv_cache.new_zeros(2, heads, num_heads // heads, dim)
+            slots = torch.arange(5, device=kv_cache.device).repeat(2, 1)
+            lo, hi = slots.new_zeros(2), slots.new_full((2,), 5)
+            self._attend_by_slot(q, flat[0], flat[1], slots, lo, hi, dim**-0.5)
+
+    def _fused_pays(self, meta: AttentionMetadata, nd: int) -> bool:
+        return nd > 1 and nd * max(meta.seq_lens[:nd]) >= self.fused_min_tokens
+
+
+# below this many context tokens in a step's decodes (batch x longest), SDPA on the gathered
+# context is as fast or faster: the compiled call's fixed cost (~40 us) dominates
+# (benchmarks/bench_attention.py: the crossover is at 8 x 600 and 32 x 160 tokens)
+FUSED_MIN_TOKENS = 4096
 
 
 def _gather_one(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int):
