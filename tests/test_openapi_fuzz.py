@@ -42,7 +42,8 @@ def proxy(start_server, workers):
 
 
 WORKER_ROUTES = [
-    "POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health",
+    "POST /v1/completions", "POST /v1/chat/completions", "POST /v1/completions/render",
+    "POST /v1/chat/completions/render", "GET /v1/models", "GET /health",
     "GET /metrics", "GET /internal/kv/handshake", "POST /internal/kv/reserve",
     "POST /internal/kv/release", "GET /internal/kv/peers",
 ]  # fmt: skip

@@ -1,4 +1,5 @@
-"""The FastAPI app both workers serve: OpenAI routes, health, metrics, errors, draining.
+"""The FastAPI app both workers serve: OpenAI routes (and vLLM's render routes), health,
+metrics, errors, draining.
 
 The app listens at once and loads the engine in the background: until it is ready (and again
 while draining) every request but `/metrics` answers 503. Errors of every kind leave in OpenAI's
@@ -22,6 +23,7 @@ from common.api.cli import ServerConfig
 from common.api.errors import UnavailableError
 from common.api.http import error_response, install_error_handlers
 from common.api.internal import install_internal_routes
+from common.api.render import install_render_routes
 from common.api.routes import install_openai_routes
 from common.api.state import ServerState
 from common.cpu import available_cores, format_cpu_list
@@ -51,6 +53,7 @@ def build_app(cfg: ServerConfig, engine_factory: Callable[[], LLMEngine]) -> Fas
     _install_request_ids(app, state)
     _install_basic_routes(app, state)
     install_openai_routes(app, state)
+    install_render_routes(app, state)
     install_internal_routes(app, state)
     return app
 

@@ -20,6 +20,7 @@ from common.api.protocol import (
 )
 from common.api.serving import (
     Job,
+    PreparedPrompt,
     admit,
     final_kv_params,
     new_request_id,
@@ -32,6 +33,7 @@ from common.api.serving import (
     wants_usage,
 )
 from common.api.state import ServerState
+from common.engine.engine import LLMEngine
 from common.tokenizer import Tokenizer
 
 
@@ -40,11 +42,8 @@ async def create_chat_completion(
 ) -> Response:
     engine = state.require_ready()
     state.check_model(req.model)
-    llm = engine.engine
-    ids = await state.run_blocking(_prompt_ids, llm.tokenizer, req)
-    params = req.to_sampling_params(llm.max_model_len - len(ids))
-    validate_params(params, llm.arch.vocab_size)
-    job = Job(new_request_id(request), ids, params, choice_offset=0)
+    prompt = await prepare_chat(state, engine.engine, req)
+    job = Job(new_request_id(request), prompt.token_ids, prompt.params, choice_offset=0)
     job.kv_transfer_params = await resolve_kv_params(state, req.kv_transfer_params, request)
     admit(state, engine, [job])
     response_id = f"chatcmpl-{request.state.request_id}"
@@ -53,6 +52,17 @@ async def create_chat_completion(
     return await respond(
         request, outputs, stream, lambda items: _response(state, req, response_id, job, items)
     )
+
+
+async def prepare_chat(
+    state: ServerState, llm: LLMEngine, req: ChatCompletionRequest
+) -> PreparedPrompt:
+    """What the engine runs for the messages, validated (400 if bad): the chat template's token
+    ids and the sampling params. /v1/chat/completions/render answers with the same."""
+    ids = await state.run_blocking(_prompt_ids, llm.tokenizer, req)
+    params = req.to_sampling_params(llm.max_model_len - len(ids))
+    validate_params(params, llm.arch.vocab_size)
+    return PreparedPrompt(ids, params)
 
 
 def _prompt_ids(tokenizer: Tokenizer, req: ChatCompletionRequest) -> list[int]:

@@ -22,6 +22,7 @@ from common.api.protocol import (
 )
 from common.api.serving import (
     Job,
+    PreparedPrompt,
     admit,
     check_token_ids,
     final_kv_params,
@@ -43,13 +44,10 @@ async def create_completion(
 ) -> Response:
     engine = state.require_ready()
     state.check_model(req.model)
-    llm = engine.engine
-    jobs = []
-    for i, prompt in enumerate(req.prompts):
-        ids = await state.run_blocking(_prompt_ids, llm, prompt)
-        params = req.to_sampling_params(llm.max_model_len - len(ids))
-        validate_params(params, llm.arch.vocab_size)
-        jobs.append(Job(new_request_id(request), ids, params, choice_offset=i * req.n))
+    jobs = [
+        Job(new_request_id(request), p.token_ids, p.params, choice_offset=i * req.n)
+        for i, p in enumerate(await prepare_prompts(state, engine.engine, req))
+    ]
     if req.kv_transfer_params is not None and len(jobs) > 1:
         raise InvalidRequestError(
             "kv_transfer_params need a single prompt", param="kv_transfer_params"
@@ -62,6 +60,20 @@ async def create_completion(
     return await respond(
         request, outputs, stream, lambda items: _response(state, req, response_id, jobs, items)
     )
+
+
+async def prepare_prompts(
+    state: ServerState, llm: LLMEngine, req: CompletionRequest
+) -> list[PreparedPrompt]:
+    """What the engine runs for each prompt, validated (400 if bad): its token ids and sampling
+    params. /v1/completions/render answers with the same."""
+    prepared = []
+    for prompt in req.prompts:
+        ids = await state.run_blocking(_prompt_ids, llm, prompt)
+        params = req.to_sampling_params(llm.max_model_len - len(ids))
+        validate_params(params, llm.arch.vocab_size)
+        prepared.append(PreparedPrompt(ids, params))
+    return prepared
 
 
 def _prompt_ids(llm: LLMEngine, prompt: str | list[int]) -> list[int]:

@@ -32,6 +32,15 @@ from common.engine.sampling_params import SamplingParams
 from common.kv_transfer.params import wants_remote_decode, wants_remote_prefill
 
 
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """What the engine runs for one prompt: its token ids (after any chat template) and the
+    request's sampling params, both validated."""
+
+    token_ids: list[int]
+    params: SamplingParams
+
+
 @dataclass
 class Job:
     request_id: str
