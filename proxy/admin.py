@@ -3,10 +3,11 @@
 They need `Authorization: Bearer ADMIN_KEY` (`--admin-key`, else `--api-key`); with neither
 set they are refused, so an open proxy cannot be reconfigured by its clients.
 
-- `GET /admin/workers`
+- `GET /admin/workers`: each with its `source` (`static`, `admin`, or `dns://NAME:PORT`)
 - `POST /admin/workers` `{"role": "prefill"|"decode", "url"}`: added, checked at once
 - `POST /admin/workers/drain` `{"url"}`: no new requests; running ones finish
-- `POST /admin/workers/remove` `{"url"}`: gone from routing (running requests finish)
+- `POST /admin/workers/remove` `{"url"}`: gone from routing (running requests finish, then its
+  client closes). A worker found by DNS comes back while its address still resolves.
 """
 
 from __future__ import annotations
@@ -52,11 +53,10 @@ def install_admin_routes(app: FastAPI, proxy: Proxy) -> None:
             raise InvalidRequestError(first["msg"], param=".".join(map(str, first["loc"]))) from e
 
     def find(url: str) -> Worker:
-        for pool in proxy.pools.values():
-            worker = pool.get(url)
-            if worker is not None:
-                return worker
-        raise NotFoundError(f"no worker {url!r}", param="url")
+        worker = proxy.find_worker(url)
+        if worker is None:
+            raise NotFoundError(f"no worker {url!r}", param="url")
+        return worker
 
     @app.get("/admin/workers")
     async def list_workers(request: Request):
@@ -70,10 +70,9 @@ def install_admin_routes(app: FastAPI, proxy: Proxy) -> None:
             url = check_worker_url(body.url)
         except ValueError as e:
             raise InvalidRequestError(str(e), param="url") from e
-        if any(pool.get(url) for pool in proxy.pools.values()):
+        if proxy.find_worker(url) is not None:
             raise InvalidRequestError(f"{url} is already a worker", param="url")
-        worker = proxy.add_worker(body.role, url)
-        await proxy.health.check(worker)
+        worker = await proxy.admit_worker(body.role, url, "admin")
         return worker.describe()
 
     @app.post("/admin/workers/drain", openapi_extra=json_body_openapi(WorkerRef))
@@ -85,7 +84,5 @@ def install_admin_routes(app: FastAPI, proxy: Proxy) -> None:
     @app.post("/admin/workers/remove", openapi_extra=json_body_openapi(WorkerRef))
     async def remove_worker(request: Request):
         worker = find((await body_of(request, WorkerRef)).url)
-        proxy.pools[worker.role].remove(worker.url)
-        # NOTE: its client stays open for requests still running on it; closed at shutdown
-        proxy.removed.append(worker)
+        proxy.remove_worker(worker)
         return {**worker.describe(), "removed": True}

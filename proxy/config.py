@@ -2,7 +2,8 @@
 
 `--config FILE` (JSON, or TOML on Python 3.11+) holds the same keys as the flags, with dashes
 or underscores (`{"prefill": ["http://p1:8100"], "decode": [...], "port": 8000}`); flags given
-on the command line win over the file.
+on the command line win over the file. A pool entry is a worker's URL or `dns://NAME:PORT`, the
+workers at PORT on every address NAME resolves to (proxy/discovery.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+
+from proxy.discovery import DnsName, is_dns_entry, parse_dns_server
 
 MODES = ("pull", "push", "colocated")
 POLICIES = ("round_robin", "least_outstanding", "power_of_two", "prefix")
@@ -53,14 +56,28 @@ class ProxyConfig:
     request_timeout: float = 600.0  # the longest wait for a non-streamed decode answer
     max_retries: int = 2  # more prefill workers tried after the first fails
     health: HealthConfig = field(default_factory=HealthConfig)
+    discovery_interval: float = 5.0  # seconds between resolutions of a dns:// entry
+    dns_server: str | None = None  # IP[:PORT] asked instead of the system's resolver
     log_level: str = "info"
 
     def __post_init__(self) -> None:
         if not self.decode:
-            raise ValueError("at least one --decode URL is needed")
-        for url in (*self.prefill, *self.decode):
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"worker URL must start with http:// or https://: {url!r}")
+            raise ValueError("at least one --decode entry (a URL or dns://NAME:PORT) is needed")
+        for role in ("prefill", "decode"):
+            entries = getattr(self, role)
+            if len(set(entries)) != len(entries):
+                raise ValueError(f"a {role} entry is given twice: {list(entries)}")
+            for entry in entries:
+                if is_dns_entry(entry):
+                    DnsName.parse(entry)
+                elif not entry.startswith(("http://", "https://")):
+                    raise ValueError(
+                        f"worker URL must start with http://, https:// or dns://: {entry!r}"
+                    )
+        if self.discovery_interval <= 0:
+            raise ValueError(f"discovery_interval must be > 0, got {self.discovery_interval}")
+        if self.dns_server is not None:
+            parse_dns_server(self.dns_server)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         for name in ("prefill_policy", "decode_policy"):
@@ -82,6 +99,16 @@ class ProxyConfig:
     def effective_admin_key(self) -> str | None:
         return self.admin_key or self.api_key
 
+    @property
+    def dns_server_address(self) -> tuple[str, int] | None:
+        return parse_dns_server(self.dns_server) if self.dns_server else None
+
+    def static_urls(self, role: str) -> list[str]:
+        return [e for e in getattr(self, role) if not is_dns_entry(e)]
+
+    def dns_names(self, role: str) -> list[DnsName]:
+        return [DnsName.parse(e) for e in getattr(self, role) if is_dns_entry(e)]
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -91,8 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = p.add_argument
     add("--config", type=Path, help="JSON or TOML file with any of these settings")
-    add("--prefill", action="append", help="a prefill worker's URL (repeat for more)")
-    add("--decode", action="append", help="a decode worker's URL (repeat for more)")
+    add(
+        "--prefill",
+        action="append",
+        help="a prefill worker's URL, or dns://NAME:PORT for every address of NAME (repeat)",
+    )
+    add("--decode", action="append", help="a decode worker's URL, or dns://NAME:PORT (repeat)")
     add("--host", help="address to bind (default 127.0.0.1)")
     add("--port", type=int, help="port (default 8000)")
     add("--mode", choices=MODES, help="pull (default; vLLM-compatible), push, or colocated")
@@ -124,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--health-timeout", type=float, help="timeout of one health check (1)")
     add("--health-failures", type=int, help="failed checks that eject a worker (2)")
     add("--health-successes", type=int, help="good checks that readmit it (1)")
+    add("--discovery-interval", type=float, help="seconds between DNS resolutions (5)")
+    add("--dns-server", help="IP[:PORT] of the DNS server to ask (default: the system's)")
     add("--log-level", choices=["debug", "info", "warning", "error"])
     return p
 

@@ -37,6 +37,8 @@ class HealthChecker:
         await asyncio.gather(*(self.check(w) for w in self.workers()))
 
     async def check(self, worker: Worker) -> None:
+        if worker.client.is_closed:  # removed since the list was taken
+            return
         try:
             r = await worker.client.get("/health", timeout=self.cfg.timeout)
             ok, why = r.status_code == 200, f"/health answered {r.status_code}"

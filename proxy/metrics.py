@@ -2,7 +2,9 @@
 
 `pdserve_proxy_routed_total{path, reason}` shows conditional disaggregation at work: `path` is
 `disaggregated` or `colocated`, `reason` why (`mode`, `short_prompt`, `no_prefill`,
-`prefill_failed`, `batch`, ...).
+`prefill_failed`, `batch`, ...). `pdserve_proxy_discovery_errors_total{role, name, reason}` and
+`pdserve_proxy_discovered_workers{role, name}` follow each `dns://NAME:PORT` pool entry
+(proxy/discovery.py).
 """
 
 from __future__ import annotations
@@ -53,6 +55,18 @@ class ProxyMetrics:
         )
         self.outstanding = Gauge(
             "pdserve_proxy_outstanding", "Requests in flight by role", ["role"], registry=r
+        )
+        self.discovery_errors = Counter(
+            "pdserve_proxy_discovery_errors",
+            "Failed resolutions of a dns:// pool entry (its last good set stays)",
+            ["role", "name", "reason"],
+            registry=r,
+        )
+        self.discovered = Gauge(
+            "pdserve_proxy_discovered_workers",
+            "Addresses of a dns:// pool entry in use (the last good answer)",
+            ["role", "name"],
+            registry=r,
         )
 
     def render(self) -> bytes:

@@ -1,10 +1,15 @@
-"""What the proxy's routes share: `Proxy` (config, worker pools, health checks, orchestration,
-metrics) and the API-key check. The app (proxy/app.py) builds it; the admin routes
+"""What the proxy's routes share: `Proxy` (config, worker pools, health checks, discovery,
+orchestration, metrics) and the API-key check. The app (proxy/app.py) builds it; the admin routes
 (proxy/admin.py) use it too, so both import it from here and the imports point one way.
+
+Workers join and leave the pools here, whoever asks (the admin routes, DNS discovery): a joining
+worker is checked at once; a removed one leaves routing at once and its client closes once its
+running requests finish; a retired one is drained first and removed once idle.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 
@@ -12,15 +17,19 @@ from fastapi import Request
 
 from common.api.errors import AuthenticationError
 from proxy.config import ProxyConfig
+from proxy.discovery import DnsDiscovery, make_resolver
 from proxy.health import HealthChecker
 from proxy.metrics import ProxyMetrics
 from proxy.orchestrator import Orchestrator
 from proxy.upstream import make_client
 from proxy.workers import ROLES, Worker, WorkerPool, normalize_url
 
+IDLE_POLL_S = 0.05  # how often a removed or retiring worker's running requests are counted
+
 
 class Proxy:
-    """What the routes share: config, worker pools, health checks, orchestration, metrics."""
+    """What the routes share: config, worker pools, health checks, discovery, orchestration,
+    metrics."""
 
     def __init__(self, cfg: ProxyConfig):
         self.cfg = cfg
@@ -28,17 +37,58 @@ class Proxy:
         self.metrics = ProxyMetrics(self.pools)
         self.orchestrator = Orchestrator(cfg, self.pools, self.metrics)
         self.health = HealthChecker(cfg.health, self.all_workers)
-        self.removed: list[Worker] = []  # by an admin; their clients close at shutdown
+        names = [(role, name) for role in ROLES for name in cfg.dns_names(role)]
+        resolver = make_resolver(cfg.dns_server_address) if names else None
+        self.discoveries = [
+            DnsDiscovery(role, name, resolver, cfg.discovery_interval, self, self.metrics)
+            for role, name in names
+        ]
+        self.removed: list[Worker] = []  # out of the pools; their clients close once idle
+        self._closers: set[asyncio.Task] = set()
         self.started_at = int(time.time())
 
     def all_workers(self) -> list[Worker]:
         return [w for pool in self.pools.values() for w in pool.workers]
 
-    def add_worker(self, role: str, url: str) -> Worker:
+    def members(self, role: str, source: str) -> list[Worker]:
+        return [w for w in self.pools[role].workers if w.source == source]
+
+    def find_worker(self, url: str) -> Worker | None:
+        return next((w for p in self.pools.values() if (w := p.get(url)) is not None), None)
+
+    def add_worker(self, role: str, url: str, source: str = "static") -> Worker:
         url = normalize_url(url)
-        worker = Worker(url, role, *make_client(url, self.cfg.connect_timeout))
+        worker = Worker(url, role, *make_client(url, self.cfg.connect_timeout), source=source)
         self.pools[role].add(worker)
         return worker
+
+    async def admit_worker(self, role: str, url: str, source: str) -> Worker:
+        """Add a worker and check it at once: routable as soon as it is healthy."""
+        worker = self.add_worker(role, url, source)
+        await self.health.check(worker)
+        return worker
+
+    def remove_worker(self, worker: Worker) -> None:
+        """Out of routing now; its running requests finish, then its client closes."""
+        pool = self.pools[worker.role]
+        if pool.get(worker.url) is not worker:  # already removed (and its URL maybe back)
+            return
+        pool.remove(worker.url)
+        self.removed.append(worker)
+        task = asyncio.get_running_loop().create_task(self._close_when_idle(worker))
+        self._closers.add(task)
+        task.add_done_callback(self._closers.discard)
+
+    async def retire_worker(self, worker: Worker) -> None:
+        """Drain (no new requests), wait for the running ones, remove."""
+        worker.is_draining = True
+        await _until_idle(worker)
+        self.remove_worker(worker)
+
+    async def _close_when_idle(self, worker: Worker) -> None:
+        await _until_idle(worker)
+        self.removed.remove(worker)
+        await worker.client.aclose()
 
     @property
     def is_ready(self) -> bool:
@@ -48,16 +98,28 @@ class Proxy:
 
     async def start(self) -> None:
         for role in ROLES:
-            for url in getattr(self.cfg, role):
+            for url in self.cfg.static_urls(role):
                 self.add_worker(role, url)
+        await asyncio.gather(*(d.refresh() for d in self.discoveries))
         await self.health.check_all()  # /ready is true from the first moment it can be
         self.health.start()
+        for discovery in self.discoveries:
+            discovery.start()
 
     async def stop(self) -> None:
+        await asyncio.gather(*(d.stop() for d in self.discoveries))
         await self.health.stop()
+        for task in list(self._closers):
+            task.cancel()
+        await asyncio.gather(*self._closers, return_exceptions=True)
         await self.orchestrator.close()
         for worker in self.all_workers() + self.removed:
             await worker.client.aclose()
+
+
+async def _until_idle(worker: Worker) -> None:
+    while worker.num_outstanding > 0:
+        await asyncio.sleep(IDLE_POLL_S)
 
 
 def check_key(request: Request, key: str | None) -> None:

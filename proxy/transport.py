@@ -91,6 +91,7 @@ class _Connection(asyncio.Protocol):
         self._waiter = waiter = loop.create_future()
         handle = None
         if timeout is not None:
+
             def expire() -> None:
                 if not waiter.done():
                     waiter.set_exception(on_timeout(f"no data within {timeout} s"))
@@ -157,6 +158,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
     def __init__(self, max_idle: int = 256):
         self.max_idle = max_idle
         self._idle: deque[_Connection] = deque()
+        self._is_closed = False
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         timeouts = request.extensions.get("timeout", {})
@@ -204,12 +206,14 @@ class LeanTransport(httpx.AsyncBaseTransport):
         return conn, False
 
     def give_back(self, conn: _Connection) -> None:
-        if conn.is_reusable and len(self._idle) < self.max_idle:
+        # NOTE: a response can end after its client closed (a removed worker): not kept then
+        if conn.is_reusable and len(self._idle) < self.max_idle and not self._is_closed:
             self._idle.append(conn)
         else:
             conn.close()
 
     async def aclose(self) -> None:
+        self._is_closed = True
         while self._idle:
             self._idle.pop().close()
 

@@ -2,7 +2,9 @@
 
 Each worker has its own `httpx.AsyncClient` (keep-alive connections to that worker only), a
 count of outstanding requests (for routing), and a health state that active checks and passive
-ejection move. A draining worker takes no new requests; its running ones finish.
+ejection move. A draining worker takes no new requests; its running ones finish. `source` says
+where it came from: `static` (the command line or config file), `admin` (the admin API), or the
+`dns://NAME:PORT` entry whose resolution found it (proxy/discovery.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Worker:
     num_failures: int = 0  # consecutive failed checks
     num_successes: int = 0  # consecutive good checks
     last_error: str | None = None
+    source: str = "static"
     changed_at: float = field(default_factory=time.monotonic)
     _endpoints: dict[str, httpx.URL] = field(default_factory=dict, repr=False)
 
@@ -77,6 +80,7 @@ class Worker:
             "draining": self.is_draining,
             "outstanding": self.num_outstanding,
             "last_error": self.last_error,
+            "source": self.source,
         }
 
 
