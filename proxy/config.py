@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from proxy.admission import RateLimit, parse_key_priorities, parse_rate_limits
 from proxy.discovery import DnsName, is_dns_entry, parse_dns_server
 
 MODES = ("pull", "push", "colocated")
@@ -58,6 +59,11 @@ class ProxyConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     discovery_interval: float = 5.0  # seconds between resolutions of a dns:// entry
     dns_server: str | None = None  # IP[:PORT] asked instead of the system's resolver
+    rate_limit: tuple[str, ...] = ()  # KEY=RPS[:BURST]; the key `default`: every key not listed
+    key_priority: tuple[str, ...] = ()  # KEY=high|normal|low: the key's default and ceiling
+    max_concurrency: int = 0  # requests in flight through the proxy; 0: no limit, no queue
+    max_queue: int = 1024  # requests waiting for a slot beyond that
+    queue_timeout: float = 30.0  # the longest wait for a slot, seconds
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -94,6 +100,23 @@ class ProxyConfig:
             raise ValueError("timeouts must be > 0 seconds")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        self._check_admission()
+
+    def _check_admission(self) -> None:
+        parse_rate_limits(self.rate_limit)
+        parse_key_priorities(self.key_priority)
+        if self.max_concurrency < 0 or self.max_queue < 0:
+            raise ValueError("max_concurrency and max_queue must be >= 0")
+        if self.queue_timeout <= 0:
+            raise ValueError(f"queue_timeout must be > 0 seconds, got {self.queue_timeout}")
+
+    @property
+    def rate_limits(self) -> dict[str, RateLimit]:
+        return parse_rate_limits(self.rate_limit)
+
+    @property
+    def key_priorities(self) -> dict[str, int]:
+        return parse_key_priorities(self.key_priority)
 
     @property
     def effective_admin_key(self) -> str | None:
@@ -157,6 +180,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("--health-successes", type=int, help="good checks that readmit it (1)")
     add("--discovery-interval", type=float, help="seconds between DNS resolutions (5)")
     add("--dns-server", help="IP[:PORT] of the DNS server to ask (default: the system's)")
+    add(
+        "--rate-limit",
+        action="append",
+        help="KEY=RPS[:BURST]: a token bucket for that API key; KEY 'default' for every key "
+        "not listed, 'anonymous' for requests without one (repeat; default: no limit)",
+    )
+    add("--key-priority", action="append", help="KEY=high|normal|low: its class and ceiling")
+    add("--max-concurrency", type=int, help="requests in flight; more wait in a queue (0: off)")
+    add("--max-queue", type=int, help="requests waiting for a slot; 429 beyond (1024)")
+    add("--queue-timeout", type=float, help="seconds a request may wait for a slot (30)")
     add("--log-level", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -194,7 +227,18 @@ def from_dict(settings: dict) -> ProxyConfig:
         raise ValueError(f"unknown settings: {', '.join(unknown)}")
     for role in ("prefill", "decode"):
         settings[role] = tuple(settings.get(role) or ())
+    for name in ("rate_limit", "key_priority"):
+        settings[name] = _assignments(settings.get(name) or ())
     return ProxyConfig(**settings, health=HealthConfig(**health))
+
+
+def _assignments(value) -> tuple[str, ...]:
+    """`["KEY=VALUE", ...]`, or in a config file also `{"KEY": VALUE, ...}`."""
+    if isinstance(value, dict):
+        return tuple(f"{k}={v}" for k, v in value.items())
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
 
 
 def _read_file(path: Path) -> dict:

@@ -4,7 +4,9 @@
 `disaggregated` or `colocated`, `reason` why (`mode`, `short_prompt`, `no_prefill`,
 `prefill_failed`, `batch`, ...). `pdserve_proxy_discovery_errors_total{role, name, reason}` and
 `pdserve_proxy_discovered_workers{role, name}` follow each `dns://NAME:PORT` pool entry
-(proxy/discovery.py).
+(proxy/discovery.py). Admission (proxy/admission.py): `pdserve_proxy_admission_rejected_total{reason}`
+(`rate_limited`, `queue_full`, `queue_timeout`), `pdserve_proxy_queue_depth`,
+`pdserve_proxy_admitted_running` (slots held) and `pdserve_proxy_queue_wait_seconds`.
 """
 
 from __future__ import annotations
@@ -66,6 +68,28 @@ class ProxyMetrics:
             "pdserve_proxy_discovered_workers",
             "Addresses of a dns:// pool entry in use (the last good answer)",
             ["role", "name"],
+            registry=r,
+        )
+
+        self._add_admission_metrics(r)
+
+    def _add_admission_metrics(self, r: CollectorRegistry) -> None:
+        self.admission_rejected = Counter(
+            "pdserve_proxy_admission_rejected",
+            "Requests refused with 429 by admission control",
+            ["reason"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "pdserve_proxy_queue_depth", "Requests waiting for a slot", registry=r
+        )
+        self.admitted_running = Gauge(
+            "pdserve_proxy_admitted_running", "Requests holding a slot (--max-concurrency)", registry=r
+        )
+        self.queue_wait = Histogram(
+            "pdserve_proxy_queue_wait_seconds",
+            "Arrival in the queue to a slot, for admitted requests",
+            buckets=_BUCKETS,
             registry=r,
         )
 
