@@ -3,21 +3,33 @@
     python -m deploy.compose --prefill 2 --decode 6 --gpus 8 > compose.yml
     python -m deploy.compose --prefill 1 --decode 1 --cpu > compose.cpu.yml
 
-Each GPU worker reserves exactly one GPU (compose's device reservation with one `device_ids`
-entry; prefill workers take the first ones), listens on its own port (prefill 8100, 8101, ...;
-decode 8200, 8201, ...) and advertises its service name as `--kv-host`, the address its NIXL
-peers use. Only the proxy's port is published. Workers share `PDSERVE_INTERNAL_TOKEN`, which
-compose takes from the environment or an `.env` file and refuses to start without.
+GPU: one service per worker (prefill-0, ..., decode-0, ...), each reserving exactly one GPU
+(compose's device reservation with one `device_ids` entry; prefill workers take the first ones),
+on its own port (prefill 8100, 8101, ...; decode 8200, 8201, ...), advertising its service name
+as `--kv-host`, the address its NIXL peers use; the proxy lists every worker's URL.
+
+CPU: one service per role, `prefill` on 8100 and `decode` on 8200, with `scale: N` for N > 1,
+so that `docker-compose up --scale decode=3` adds replicas without a new file: nothing pins a
+replica (no container name, no published port, no cpuset), each advertises its own container IP
+(`--kv-host auto`), and the proxy's pools are `dns://prefill:8100` and `dns://decode:8200`,
+re-resolved every DISCOVERY_INTERVAL seconds through Docker's DNS, which answers a service's name
+with every replica's address.
+
+Only the proxy's port is published. Workers share `PDSERVE_INTERNAL_TOKEN`, which compose takes
+from the environment or an `.env` file and refuses to start without.
 
 deploy/docker-compose.yml and deploy/docker-compose.cpu.yml are this script's output for their
 shapes (the command is in each file's first line); tests/test_deploy_compose.py checks that.
 A shape that does not fit (more workers than GPUs) exits 2 with a message naming the numbers.
 
-CPU: the workers split the host's cores (`--host-cores N`, default this machine's count; the
-plan of deploy/cores.py): each worker service gets a `cpuset` (so the whole container, NIXL/UCX
-threads included, stays on its cores) and `--cpu-threads` with one torch thread per core. Prefill
-and decode never share a core; with more workers than cores a warning goes to stderr. The proxy
-is light and unpinned. `--host-cores 0` pins nothing (every worker takes every core).
+Cores (`--host-cores N`, default this machine's count; the plan of deploy/cores.py, prefill and
+decode apart, one torch thread per core): a GPU worker gets its run of cores as `cpuset` (so the
+whole container, NIXL/UCX threads included, stays there) and `--cpu-threads` to match. A CPU
+replica gets as many cores as a `cpus:` limit (a CPU-time quota, not pinning: a scaled replica
+cannot have cores of its own) and `--cpu-threads` to match, the count the plan gives each worker
+of its role at the generated scale; scaled beyond it, the replicas share the host's cores. With
+more workers than cores a warning goes to stderr. The proxy is light and unpinned.
+`--host-cores 0` sets no limit (every worker takes every core).
 """
 
 from __future__ import annotations
@@ -29,11 +41,12 @@ from dataclasses import dataclass
 
 import yaml  # PyYAML: already installed as a dependency of gguf, which the project requires
 
-from deploy.cores import CpuPlan, WorkerCpu, plan_cores
+from deploy.cores import CpuPlan, plan_cores
 
 BASE_PORTS = {"prefill": 8100, "decode": 8200}
 MAX_WORKERS_PER_ROLE = 100  # prefill ports stay below 8200, decode ports below 8300
 PROXY_PORT = 8000
+DISCOVERY_INTERVAL = 2  # CPU: seconds until the proxy sees a replica come or go
 CACHE_VOLUME, CACHE_DIR = "pdserve-cache", "/cache"  # PDSERVE_CACHE_DIR: the prepared default model
 MODEL_MOUNT = "/model"
 MODES = ("pull", "push", "colocated")
@@ -131,12 +144,49 @@ class Shape:
         return "python -m deploy.compose " + " ".join(args)
 
 
-def worker_names(shape: Shape) -> list[tuple[str, str, int]]:
-    """(role, service name, port) of every worker, prefill first."""
+@dataclass(frozen=True)
+class WorkerService:
+    """One worker service: a GPU worker, or on CPU every replica of one role."""
+
+    role: str
+    name: str
+    port: int
+    num_replicas: int = 1
+
+    @property
+    def pool_entry(self) -> str:
+        """How the proxy finds it: one URL, or every replica's address through Docker's DNS."""
+        scheme = "dns" if self.name == self.role else "http"
+        return f"{scheme}://{self.name}:{self.port}"
+
+
+def worker_services(shape: Shape) -> list[WorkerService]:
+    """Every worker service, prefill first: prefill-0, ..., decode-0, ... on GPU; on CPU one
+    service per role, named after it."""
     counts = {"prefill": shape.num_prefill, "decode": shape.num_decode}
+    if shape.is_cpu:
+        return [WorkerService(r, r, BASE_PORTS[r], n) for r, n in counts.items() if n]
     return [
-        (role, f"{role}-{i}", BASE_PORTS[role] + i) for role, n in counts.items() for i in range(n)
+        WorkerService(role, f"{role}-{i}", BASE_PORTS[role] + i)
+        for role, n in counts.items()
+        for i in range(n)
     ]
+
+
+def worker_cpu(shape: Shape, worker: WorkerService) -> tuple[int | None, dict]:
+    """The worker's torch threads and the service keys that give it as many cores: its own
+    `cpuset` on GPU; on CPU a `cpus` quota, the fewest cores the plan gives a worker of its role
+    (a replica has no cores of its own)."""
+    plan = shape.cpu_plan
+    if plan is None:
+        return None, {}
+    if not shape.is_cpu:
+        cpu = plan.workers[worker.name]
+        return cpu.num_threads, {"cpuset": cpu.cpu_list}
+    num_threads = min(
+        cpu.num_threads for name, cpu in plan.workers.items() if name.startswith(f"{worker.role}-")
+    )
+    return num_threads, {"cpus": num_threads}
 
 
 def healthcheck(port: int) -> dict:
@@ -151,30 +201,20 @@ def healthcheck(port: int) -> dict:
     }
 
 
-def worker_service(
-    shape: Shape, role: str, name: str, port: int, gpu: int | None, cpu: WorkerCpu | None
-) -> dict:
+def worker_service(shape: Shape, worker: WorkerService, gpu: int | None) -> dict:
     device = ["--device", "cpu", "--dtype", "float32"] if shape.is_cpu else ["--device", "cuda"]
-    command = [
-        "python",
-        "-m",
-        f"{role}_server",
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(port),
-        "--kv-host",
-        name,
-        *device,
-    ]
+    kv_host = "auto" if shape.is_cpu else worker.name  # auto: each replica's own container IP
+    command = ["python", "-m", f"{worker.role}_server", "--host", "0.0.0.0"]
+    command += ["--port", str(worker.port), "--kv-host", kv_host, *device]
     volumes = [f"{CACHE_VOLUME}:{CACHE_DIR}"]
     if shape.model_dir:
         command += ["--model", MODEL_MOUNT]
         volumes.append(f"{shape.model_dir}:{MODEL_MOUNT}:ro")
     if shape.kv_cache_memory:
         command += ["--kv-cache-memory", shape.kv_cache_memory]
-    if cpu is not None:  # the cpuset below pins the container; this sizes torch to it
-        command += ["--cpu-threads", str(cpu.num_threads)]
+    num_threads, cores = worker_cpu(shape, worker)
+    if num_threads is not None:  # sizes torch to the cores the service keys below give it
+        command += ["--cpu-threads", str(num_threads)]
     gpu_only = (
         {}
         if gpu is None
@@ -186,6 +226,7 @@ def worker_service(
     service = {
         "image": shape.image_name,
         "command": Flow(command),
+        **({"scale": worker.num_replicas} if worker.num_replicas > 1 else {}),
         "restart": "unless-stopped",
         "environment": {
             "PDSERVE_CACHE_DIR": CACHE_DIR,
@@ -197,13 +238,13 @@ def worker_service(
             "NIXL_LOG_LEVEL": "WARN",
         },
         "volumes": volumes,
-        "expose": [str(port)],
-        **({} if cpu is None else {"cpuset": cpu.cpu_list}),
+        "expose": [str(worker.port)],
+        **cores,
         "pid": "host",
         **gpu_only,
         "cap_add": Flow(["SYS_PTRACE"]),
         "stop_grace_period": "35s",  # the workers' --drain-timeout is 30 s
-        "healthcheck": healthcheck(port),
+        "healthcheck": healthcheck(worker.port),
     }
     if gpu is not None:
         device = {"driver": "nvidia", "device_ids": Flow([str(gpu)]), "capabilities": Flow(["gpu"])}
@@ -211,11 +252,13 @@ def worker_service(
     return service
 
 
-def proxy_service(shape: Shape, workers: list[tuple[str, str, int]]) -> dict:
+def proxy_service(shape: Shape, workers: list[WorkerService]) -> dict:
     command = ["python", "-m", "proxy", "--host", "0.0.0.0", "--port", str(PROXY_PORT)]
     command += ["--mode", shape.mode]
-    for role, name, port in workers:
-        command += [f"--{role}", f"http://{name}:{port}"]
+    for worker in workers:
+        command += [f"--{worker.role}", worker.pool_entry]
+    if shape.is_cpu:
+        command += ["--discovery-interval", str(DISCOVERY_INTERVAL)]
     return {
         "image": shape.image_name,
         "command": command,
@@ -224,19 +267,16 @@ def proxy_service(shape: Shape, workers: list[tuple[str, str, int]]) -> dict:
         "ports": [f"{shape.port}:{PROXY_PORT}"],
         "stop_grace_period": "35s",
         "healthcheck": healthcheck(PROXY_PORT),
-        "depends_on": {name: {"condition": "service_healthy"} for _, name, _ in workers},
+        "depends_on": {w.name: {"condition": "service_healthy"} for w in workers},
     }
 
 
 def build_compose(shape: Shape) -> dict:
     """The compose document as a dict (services in order: prefill, decode, proxy)."""
-    workers = worker_names(shape)
-    plan = shape.cpu_plan
+    workers = worker_services(shape)
     services = {}
-    for gpu, (role, name, port) in enumerate(workers):
-        cpu = plan.workers[name] if plan is not None else None
-        gpu_id = None if shape.is_cpu else gpu
-        services[name] = worker_service(shape, role, name, port, gpu_id, cpu)
+    for gpu, worker in enumerate(workers):
+        services[worker.name] = worker_service(shape, worker, None if shape.is_cpu else gpu)
     services["proxy"] = proxy_service(shape, workers)
     return {"services": services, "volumes": {CACHE_VOLUME: {}}}
 

@@ -2,8 +2,10 @@
 
 Every file is validated by `docker-compose config` (Debian's docker-compose; it needs no Docker
 engine, deploy/setup.sh installs it), and the invariants are checked on what compose itself
-reads back: one GPU per worker and none twice, unique ports, a /health check on every service,
-the proxy waiting for every worker and listing every worker's URL.
+reads back: unique ports, a /health check on every service, the proxy waiting for every worker
+service and listing it; on GPU one service per worker, one GPU each and none twice; on CPU one
+service per role that `--scale` can grow (no container name, host port or cpuset, `--kv-host
+auto`), found by the proxy as `dns://SERVICE:PORT`. Nothing is started: no Docker engine here.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import io
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from common.api.cli import parse_args
 from common.cpu import parse_cpu_list
 from deploy import compose
 
@@ -85,28 +89,10 @@ def check_invariants(config: dict, shape: str) -> None:
     args = compose.build_parser().parse_args(shape.split())
     services = config["services"]
     workers = {name: s for name, s in services.items() if name != "proxy"}
-    assert sorted(workers) == sorted(
-        [f"prefill-{i}" for i in range(args.prefill)] + [f"decode-{i}" for i in range(args.decode)]
-    )
-
-    gpu_ids = []
+    (check_scalable_workers if args.cpu else check_gpu_workers)(workers, args)
     for name, service in workers.items():
-        command = service["command"]
-        assert command[:3] == ["python", "-m", f"{name.split('-')[0]}_server"], command
-        assert flag(command, "--kv-host") == name  # peers reach it by its service name
         assert "ports" not in service, f"{name}: workers stay on the private network"
         assert service["environment"]["PDSERVE_INTERNAL_TOKEN"] == TOKEN
-        if args.cpu:
-            assert "deploy" not in service and flag(command, "--device") == "cpu"
-            continue
-        assert flag(command, "--device") == "cuda"
-        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
-        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
-        assert len(device["device_ids"]) == 1, f"{name}: exactly one GPU per worker"
-        gpu_ids += device["device_ids"]
-    assert len(gpu_ids) == len(set(gpu_ids)), f"a GPU is assigned twice: {gpu_ids}"
-    assert all(0 <= int(g) < (args.gpus or len(workers)) for g in gpu_ids), gpu_ids
-    check_cpusets(workers, args.host_cores)
 
     ports = {name: int(flag(s["command"], "--port")) for name, s in services.items()}
     assert len(set(ports.values())) == len(ports), f"ports collide: {ports}"
@@ -121,8 +107,58 @@ def check_invariants(config: dict, shape: str) -> None:
     assert proxy["depends_on"] == {name: {"condition": "service_healthy"} for name in workers}
     command = proxy["command"]
     listed = {(a, b) for a, b in zip(command, command[1:]) if a in ("--prefill", "--decode")}
-    expected = {(f"--{n.split('-')[0]}", f"http://{n}:{ports[n]}") for n in workers}
+    scheme = "dns" if args.cpu else "http"  # dns: every replica of the service, found by name
+    expected = {(f"--{n.split('-')[0]}", f"{scheme}://{n}:{ports[n]}") for n in workers}
     assert listed == expected
+    if args.cpu:  # a replica added by --scale is routed to within seconds
+        assert 0 < float(flag(command, "--discovery-interval")) <= 5
+
+
+def check_gpu_workers(workers: dict, args) -> None:
+    """One service per worker, each on exactly one GPU of its own, advertising its name."""
+    assert sorted(workers) == sorted(
+        [f"prefill-{i}" for i in range(args.prefill)] + [f"decode-{i}" for i in range(args.decode)]
+    )
+    gpu_ids = []
+    for name, service in workers.items():
+        command = service["command"]
+        assert command[:3] == ["python", "-m", f"{name.split('-')[0]}_server"], command
+        assert flag(command, "--kv-host") == name  # peers reach it by its service name
+        assert flag(command, "--device") == "cuda"
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        assert len(device["device_ids"]) == 1, f"{name}: exactly one GPU per worker"
+        gpu_ids += device["device_ids"]
+    assert len(gpu_ids) == len(set(gpu_ids)), f"a GPU is assigned twice: {gpu_ids}"
+    assert all(0 <= int(g) < (args.gpus or len(workers)) for g in gpu_ids), gpu_ids
+    check_cpusets(workers, args.host_cores)
+
+
+# NOTE: each of these is one value for every replica of a service, so two replicas would collide
+# (a container name, a host port) or share what was meant for one (a cpuset, a GPU).
+BLOCKS_SCALE = {"container_name", "hostname", "ports", "cpuset", "deploy", "mac_address"}
+
+
+def check_scalable_workers(workers: dict, args) -> None:
+    """One service per role, `scale` replicas of it, nothing that stops `--scale`: each replica
+    advertises its own address and the cores it gets are a quota, not a pinned set."""
+    counts = {"prefill": args.prefill, "decode": args.decode}
+    assert sorted(workers) == sorted(role for role, n in counts.items() if n)
+    cores = 0
+    for role, service in workers.items():
+        command = service["command"]
+        assert command[:3] == ["python", "-m", f"{role}_server"], command
+        assert flag(command, "--kv-host") == "auto", f"{role}: replicas advertise their own IP"
+        assert flag(command, "--host") == "0.0.0.0" and flag(command, "--device") == "cpu"
+        assert not BLOCKS_SCALE & service.keys(), f"{role}: {BLOCKS_SCALE & service.keys()}"
+        assert service.get("scale", 1) == counts[role]
+        if args.host_cores == 0:
+            assert "cpus" not in service and "--cpu-threads" not in command
+            continue
+        assert float(service["cpus"]) == int(flag(command, "--cpu-threads")) >= 1
+        cores += float(service["cpus"]) * counts[role]
+    if args.prefill + args.decode <= args.host_cores:
+        assert cores <= args.host_cores, "the generated scale fits the host's cores"
 
 
 def check_cpusets(workers: dict, host_cores: int) -> None:
@@ -169,6 +205,26 @@ def test_generated_file_validates(shape, tmp_path):
     result = compose_config(path)
     assert result.returncode == 0, result.stderr
     check_invariants(yaml.safe_load(result.stdout), SHAPES[shape])
+
+
+@pytest.mark.parametrize("address", ["172.18.0.5", "172.18.0.6"])
+def test_cpu_replicas_advertise_their_own_address(address, monkeypatch):
+    """Each replica runs the same command; `--kv-host auto` makes it advertise its own IP."""
+    monkeypatch.setattr(socket, "gethostname", lambda: "a1b2c3d4e5f6")  # a container's id
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: address)  # Docker's /etc/hosts
+    services = yaml.safe_load((ROOT / "deploy" / "docker-compose.cpu.yml").read_text())["services"]
+    for role in ("prefill", "decode"):
+        engine, server = parse_args(role, services[role]["command"][3:])
+        assert engine.transfer.advertise_host == address and server.host == "0.0.0.0"
+        assert server.cpu.num_threads == services[role]["cpus"]
+
+
+@pytest.mark.parametrize("key, value", [("container_name", "decode"), ("cpuset", "4-7")])
+def test_a_key_that_blocks_scaling_is_caught(key, value):
+    config = compose.build_compose(compose.Shape(is_cpu=True, host_cores=8))
+    config["services"]["decode"][key] = value
+    with pytest.raises(AssertionError, match=key):
+        check_invariants(config, CHECKED_IN["docker-compose.cpu.yml"])
 
 
 def test_compose_refuses_to_start_without_the_internal_token():

@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import re
+import socket
 from dataclasses import dataclass, field
 
 from common.config import (
@@ -22,6 +24,7 @@ from common.config import (
 from common.cpu import CpuBudget, parse_cpu_list
 
 DEFAULT_PORTS = {"prefill": 8100, "decode": 8200}
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,30 @@ def parse_cores(text: str) -> frozenset[int]:
         return parse_cpu_list(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def resolve_kv_host(kv_host: str | None, host: str) -> str:
+    """The address peers are told to reach this worker at (`--kv-host`, see its help)."""
+    if kv_host is None:
+        return host
+    if kv_host != "auto":
+        return kv_host
+    if host not in WILDCARD_HOSTS:  # the side channel listens there and nowhere else
+        return host
+    name = socket.gethostname()
+    try:
+        address = socket.gethostbyname(name)
+    except OSError as e:
+        raise ValueError(
+            f"--kv-host auto: this host's name {name!r} does not resolve ({e}); "
+            "pass --kv-host ADDRESS"
+        ) from None
+    if ipaddress.ip_address(address).is_loopback:
+        raise ValueError(
+            f"--kv-host auto: this host's name {name!r} resolves to {address}, a loopback "
+            "address that peers on other hosts cannot reach; pass --kv-host ADDRESS"
+        )
+    return address
 
 
 def build_parser(role: str) -> argparse.ArgumentParser:
@@ -188,7 +215,9 @@ def _add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
     add(
         "--kv-host",
         default=None,
-        help="the address peers use to reach this worker (default: --host)",
+        help="the address peers use to reach this worker (default: --host); auto: --host when "
+        "it names one address, else this host's own (its hostname resolved at start-up: a "
+        "container's IP on its network), refused if that is a loopback address",
     )
     add(
         "--kv-lease-timeout",
@@ -293,7 +322,7 @@ def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, 
             ),
             transfer=TransferConfig(
                 connector=None if a.kv_connector == "none" else a.kv_connector,
-                advertise_host=a.kv_host or a.host,
+                advertise_host=resolve_kv_host(a.kv_host, a.host),
                 advertise_port=a.port,
                 lease_timeout=a.kv_lease_timeout,
                 load_timeout=a.kv_load_timeout,
