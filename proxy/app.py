@@ -3,7 +3,9 @@
 The `lifespan` creates one `httpx.AsyncClient` per worker (keep-alive, explicit timeouts),
 starts the health checks, and closes everything on shutdown. Clients authenticate with
 `Authorization: Bearer KEY` when `--api-key` is set; bodies above `--max-body-bytes` get 413;
-`X-Request-Id` is taken from the client (or made) and sent to P, D and back.
+`X-Request-Id` is taken from the client (or made) and sent to P, D and back. Admission control
+(rate limits, a priority queue for slots) is proxy/admission.py: a request is checked against
+its key's rate before its body is read, and waits for a slot once it parsed.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from common.api.http import (
 )
 from common.api.protocol import ChatCompletionRequest, CompletionRequest
 from proxy.admin import install_admin_routes
+from proxy.admission import HeldResponse, Slot
 from proxy.config import ProxyConfig
 from proxy.orchestrator import UpstreamAPIError
 from proxy.request import CHAT_PATH, COMPLETIONS_PATH, GENERATION_PATHS, ProxyRequest
-from proxy.state import Proxy, check_key
+from proxy.state import Proxy, bearer_key, check_key
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +59,19 @@ def build_app(cfg: ProxyConfig) -> GenerationFastPath:
 
 async def serve(proxy: Proxy, request: Request, path: str) -> Response:
     """One generation request, start to end: every outcome is a response (OpenAI's error shape
-    for failures), counted by status."""
+    for failures), counted by status. An admitted request holds its slot until the response
+    has been sent."""
     rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+    slot: Slot | None = None
     try:
         check_key(request, proxy.cfg.api_key)
+        key = bearer_key(request)
+        rank = proxy.admission.rank_of(key, request.headers.get("x-priority"))
+        proxy.admission.check_rate(key)
         raw = await read_body(request, proxy.cfg.max_body_bytes)
-        response = await proxy.orchestrator.handle(ProxyRequest.parse(path, raw, rid))
+        req = ProxyRequest.parse(path, raw, rid)
+        slot = await proxy.admission.enter(rank, _until_disconnect(request.receive))
+        response = await proxy.orchestrator.handle(req)
     except UpstreamAPIError as e:  # a worker's 4xx, as the worker wrote it
         response = Response(e.body, status_code=e.status_code, media_type="application/json")
     except APIError as e:
@@ -69,9 +79,18 @@ async def serve(proxy: Proxy, request: Request, path: str) -> Response:
     except Exception:  # noqa: BLE001 — a bug here must still answer in OpenAI's shape
         logger.exception("unhandled error on %s", path)
         response = error_response(ServerError("internal error in the proxy"))
+    except BaseException:
+        if slot is not None:
+            slot.release()
+        raise
     response.headers["X-Request-Id"] = rid
     proxy.metrics.requests.labels(path, str(response.status_code)).inc()
-    return response
+    return response if slot is None else HeldResponse(response, slot)
+
+
+async def _until_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class GenerationFastPath:

@@ -4,9 +4,10 @@
 `disaggregated` or `colocated`, `reason` why (`mode`, `short_prompt`, `no_prefill`,
 `prefill_failed`, `batch`, ...). `pdserve_proxy_discovery_errors_total{role, name, reason}` and
 `pdserve_proxy_discovered_workers{role, name}` follow each `dns://NAME:PORT` pool entry
-(proxy/discovery.py). Admission (proxy/admission.py): `pdserve_proxy_admission_rejected_total{reason}`
-(`rate_limited`, `queue_full`, `queue_timeout`), `pdserve_proxy_queue_depth`,
-`pdserve_proxy_admitted_running` (slots held) and `pdserve_proxy_queue_wait_seconds`.
+(proxy/discovery.py). Admission (proxy/admission.py):
+`pdserve_proxy_admission_rejected_total{reason}` (`rate_limited`, `queue_full`,
+`queue_timeout`), `pdserve_proxy_queue_depth`, `pdserve_proxy_admitted_running` (slots held)
+and `pdserve_proxy_queue_wait_seconds`.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class ProxyMetrics:
             "pdserve_proxy_queue_depth", "Requests waiting for a slot", registry=r
         )
         self.admitted_running = Gauge(
-            "pdserve_proxy_admitted_running", "Requests holding a slot (--max-concurrency)", registry=r
+            "pdserve_proxy_admitted_running", "Requests holding a slot", registry=r
         )
         self.queue_wait = Histogram(
             "pdserve_proxy_queue_wait_seconds",

@@ -16,6 +16,7 @@ import time
 from fastapi import Request
 
 from common.api.errors import AuthenticationError
+from proxy.admission import Admission
 from proxy.config import ProxyConfig
 from proxy.discovery import DnsDiscovery, make_resolver
 from proxy.health import HealthChecker
@@ -36,6 +37,7 @@ class Proxy:
         self.pools = {role: WorkerPool(role) for role in ROLES}
         self.metrics = ProxyMetrics(self.pools)
         self.orchestrator = Orchestrator(cfg, self.pools, self.metrics)
+        self.admission = Admission(cfg, self.metrics)
         self.health = HealthChecker(cfg.health, self.all_workers)
         names = [(role, name) for role in ROLES for name in cfg.dns_names(role)]
         resolver = make_resolver(cfg.dns_server_address) if names else None
@@ -120,6 +122,12 @@ class Proxy:
 async def _until_idle(worker: Worker) -> None:
     while worker.num_outstanding > 0:
         await asyncio.sleep(IDLE_POLL_S)
+
+
+def bearer_key(request: Request) -> str | None:
+    """The client's `Authorization: Bearer KEY`, if it sent one."""
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return given.strip() or None if scheme.lower() == "bearer" else None
 
 
 def check_key(request: Request, key: str | None) -> None:
