@@ -1,8 +1,9 @@
 """Active health checks: every worker's `GET /health`, each `interval` seconds, with a timeout.
 
 `failure_threshold` consecutive failures eject a worker, `success_threshold` consecutive
-successes readmit it. Requests eject a worker passively (`Worker.eject`) on a connect error;
-only these checks bring it back.
+successes readmit it; `on_eject(worker)` runs on every failed check of an ejected worker from
+then on (the orchestrator cuts the prefills waiting on it). Requests eject a worker passively
+(`Worker.eject`) on a connect error; only these checks bring it back.
 """
 
 from __future__ import annotations
@@ -20,9 +21,15 @@ logger = logging.getLogger(__name__)
 
 
 class HealthChecker:
-    def __init__(self, cfg: HealthConfig, workers: Callable[[], list[Worker]]):
+    def __init__(
+        self,
+        cfg: HealthConfig,
+        workers: Callable[[], list[Worker]],
+        on_eject: Callable[[Worker], None] = lambda worker: None,
+    ):
         self.cfg = cfg
         self.workers = workers
+        self.on_eject = on_eject
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -47,6 +54,8 @@ class HealthChecker:
         if worker.record_check(ok, why, self.cfg.failure_threshold, self.cfg.success_threshold):
             state = "healthy" if worker.is_healthy else f"unhealthy ({why})"
             logger.warning("%s worker %s is %s", worker.role, worker.url, state)
+        if not ok and not worker.is_healthy and worker.num_failures >= self.cfg.failure_threshold:
+            self.on_eject(worker)  # NOTE: again each time: it may have been ejected passively
 
     async def _run(self) -> None:
         while True:

@@ -4,7 +4,9 @@
   (`min_disagg_tokens`, estimated), it is a batch of prompts, or no P is routable: then D alone.
 - **Prefill.** P computes the prompt and one token and keeps the KV (pull) or writes it into
   blocks D reserved first (push). A P that fails is ejected (connect errors) and the next one is
-  tried; when none is left the request goes to D alone. P's 4xx is the client's error, returned.
+  tried; when none is left the request goes to D alone. A P that the health checks eject while
+  a prefill waits on it (frozen) fails that prefill at once, retried the same way (inflight.py).
+  P's 4xx is the client's error, returned.
 - **Decode.** D gets the client's body plus P's `kv_transfer_params`. Streamed, P's first token
   goes to the client at once and D continues after it. A D that cannot be reached before any of
   its bytes were sent is replaced by another (pull mode); a D that fails mid-stream ends the
@@ -26,6 +28,7 @@ from fastapi.responses import Response
 
 from common.api.errors import APIError, ServerError, UnavailableError
 from proxy.config import ProxyConfig
+from proxy.inflight import InFlight
 from proxy.metrics import ProxyMetrics
 from proxy.policies import create_policy
 from proxy.request import ProxyRequest
@@ -64,6 +67,7 @@ class Orchestrator:
         self._internal_timeout = httpx.Timeout(5.0, connect=cfg.connect_timeout)
         self._whole_timeout = httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout)
         self._background: set[asyncio.Task] = set()
+        self.inflight = InFlight()  # prefills, cut short when health checks eject their P
 
     async def handle(self, req: ProxyRequest) -> Response:
         start = time.perf_counter()
@@ -122,12 +126,10 @@ class Orchestrator:
             started = time.perf_counter()
             try:
                 worker.num_outstanding += 1
-                answer = await post_json(
-                    worker,
-                    req.path,
-                    req.prefill_body(push_to),
-                    {"X-Request-Id": req.request_id, **self.internal},
-                    self._prefill_timeout,
+                headers = {"X-Request-Id": req.request_id, **self.internal}
+                body = req.prefill_body(push_to)
+                answer = await self.inflight.call(
+                    worker, post_json(worker, req.path, body, headers, self._prefill_timeout)
                 )
             except UpstreamError as e:
                 self._failed(e)

@@ -38,7 +38,9 @@ class Proxy:
         self.metrics = ProxyMetrics(self.pools)
         self.orchestrator = Orchestrator(cfg, self.pools, self.metrics)
         self.admission = Admission(cfg, self.metrics)
-        self.health = HealthChecker(cfg.health, self.all_workers)
+        self.health = HealthChecker(
+            cfg.health, self.all_workers, on_eject=self.orchestrator.inflight.cut
+        )
         names = [(role, name) for role in ROLES for name in cfg.dns_names(role)]
         resolver = make_resolver(cfg.dns_server_address) if names else None
         self.discoveries = [

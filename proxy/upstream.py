@@ -2,7 +2,8 @@
 
 Every failure is an `UpstreamError`: `status`/`body` when the worker answered with an error
 (passed to the client as is when it is the client's fault), `is_connect` when the worker was
-never reached (nothing was sent, so any retry is safe and the worker is ejected).
+never reached (nothing was sent, so any retry is safe and the worker is ejected);
+`WorkerEjected` when health checks ejected the worker while the call waited on it.
 """
 
 from __future__ import annotations
@@ -53,6 +54,14 @@ class UpstreamError(Exception):
         return "timeout" if self.status is None and "timed out" in self.message else (
             f"http_{self.status}" if self.status else "transport"
         )
+
+
+class WorkerEjected(UpstreamError):
+    """The health checks ejected the worker while this call waited on it (proxy/inflight.py)."""
+
+    @property
+    def kind(self) -> str:
+        return "ejected"
 
 
 def make_client(url: str, connect_timeout: float) -> tuple[httpx.AsyncClient, AsyncBaseTransport]:
