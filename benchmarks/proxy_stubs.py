@@ -44,7 +44,8 @@ _WHOLE = json.dumps(
 ).encode()  # fmt: skip
 
 
-async def _read_body(receive) -> bytes:
+async def read_body(receive) -> bytes:
+    """An ASGI request's whole body."""
     body, more = b"", True
     while more:
         message = await receive()
@@ -67,7 +68,7 @@ def make_app(role: str):
         if scope["method"] == "GET":
             body = _MODELS if path == "/v1/models" else b'{"status":"ok"}'
             return await _send(send, 200, body, b"application/json")
-        request = json.loads(await _read_body(receive) or b"{}")
+        request = json.loads(await read_body(receive) or b"{}")
         if role == "prefill":
             return await _send(send, 200, _PREFILLED, b"application/json")
         if not request.get("stream"):

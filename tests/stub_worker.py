@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from benchmarks.proxy_stubs import read_body
 from deploy.processes import ROOT, ServerProcess
 
 
@@ -37,7 +38,7 @@ def make_app(chunk_delay: float):
             stats = {h: {"served": served[h], "running": running[h]} for h in served}
             body = json.dumps(stats).encode() if scope["path"] == "/stats" else b'{"status":"ok"}'
             return await _send_json(send, body)
-        request = json.loads(await _read_body(receive) or b"{}")
+        request = json.loads(await read_body(receive) or b"{}")
         served[host] += 1
         running[host] += 1
         try:
@@ -63,15 +64,6 @@ async def _complete(send, host: str, request: dict, chunk_delay: float) -> None:
         body = f"data: {json.dumps(chunk)}\n\n".encode()
         await send({"type": "http.response.body", "body": body, "more_body": True})
     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
-
-
-async def _read_body(receive) -> bytes:
-    body, more = b"", True
-    while more:
-        message = await receive()
-        body += message.get("body", b"")
-        more = message.get("more_body", False)
-    return body
 
 
 async def _send_json(send, body: bytes | str) -> None:
