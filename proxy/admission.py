@@ -260,13 +260,14 @@ class Admission:
             raise InvalidRequestError(f"X-Priority must be one of {PRIORITIES}, got {header!r}")
         return max(PRIORITIES.index(asked), ceiling or 0)
 
-    async def enter(self, rank: int, until_gone: Awaitable) -> Slot | None:
-        """A slot (None when there is no limit); waits in the queue while the client stays."""
+    async def enter(self, rank: int, until_gone: Callable[[], Awaitable]) -> Slot | None:
+        """A slot (None when there is no limit); waits in the queue while the client stays
+        (`until_gone()` returns when it leaves)."""
         if self.queue is None:
             return None
         started = time.perf_counter()
         waiter = asyncio.ensure_future(self.queue.acquire(rank))
-        gone = asyncio.ensure_future(until_gone)
+        gone = asyncio.ensure_future(until_gone())
         try:
             await asyncio.wait((waiter, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:

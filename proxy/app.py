@@ -70,7 +70,7 @@ async def serve(proxy: Proxy, request: Request, path: str) -> Response:
         proxy.admission.check_rate(key)
         raw = await read_body(request, proxy.cfg.max_body_bytes)
         req = ProxyRequest.parse(path, raw, rid)
-        slot = await proxy.admission.enter(rank, _until_disconnect(request.receive))
+        slot = await proxy.admission.enter(rank, lambda: _until_disconnect(request.receive))
         response = await proxy.orchestrator.handle(req)
     except UpstreamAPIError as e:  # a worker's 4xx, as the worker wrote it
         response = Response(e.body, status_code=e.status_code, media_type="application/json")

@@ -106,6 +106,11 @@ class _Connection(asyncio.Protocol):
 
     async def send(self, head: bytes, body: bytes, read_timeout: float | None) -> None:
         self._reset()
+        if self.is_closed or self.transport.is_closing():
+            # NOTE: closed before connection_lost ran (uvloop raises on a write then); nothing
+            # was sent, so this is a failure to connect, safe to retry anywhere
+            self.is_closed = True
+            raise httpx.ConnectError("the connection closed before the request was sent")
         self.transport.write(head + body)
         while not self._headers_done:
             if self.error is not None:
@@ -167,7 +172,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         conn, reused = await self._connection(request.url, timeouts.get("connect"))
         try:
             await conn.send(head, body, timeouts.get("read"))
-        except httpx.RemoteProtocolError:
+        except (httpx.RemoteProtocolError, httpx.ConnectError):
             conn.close()
             if not (reused and conn.num_received == 0):
                 raise

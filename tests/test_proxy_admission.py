@@ -207,7 +207,7 @@ def test_queue_full_and_queue_timeout_are_429s(start_proxy):
 def test_high_priority_is_admitted_before_earlier_low_ones(start_proxy):
     proxy = start_proxy("--max-concurrency", "1", "--key-priority", "batch=low")
     with ThreadPoolExecutor(5) as pool:
-        holder = in_background(pool, proxy, max_tokens=10)
+        holder = in_background(pool, proxy, max_tokens=40)  # 4 s: outlasts the queueing below
         assert wait_until(lambda: proxy.metric(RUNNING) == 1)
         waiting = []
         for i, kw in enumerate(
@@ -216,6 +216,7 @@ def test_high_priority_is_admitted_before_earlier_low_ones(start_proxy):
         ):  # fmt: skip
             waiting.append(in_background(pool, proxy, max_tokens=2, **kw))
             assert wait_until(lambda i=i: proxy.metric(DEPTH) == i + 1)  # arrival order fixed
+        assert not holder.done(), "the holder ended before the queue was built"
         assert holder.result().status_code == 200
         answers = [f.result() for f in waiting]
     assert all(r.status_code == 200 for r in answers)

@@ -164,6 +164,44 @@ def test_lean_transport_keep_alive_streaming_and_errors():
     asyncio.run(scenario())
 
 
+def test_lean_transport_on_uvloop_survives_a_connection_closed_before_the_write():
+    """uvloop (the proxy's loop) raises RuntimeError on a write to a closed transport, and
+    `connection_lost` runs a tick after the close: a kept-alive connection the server closed
+    just then, or a fresh one the server reset at once, is an httpx error (a fresh connection
+    is tried for the first), never a RuntimeError out of the proxy's stream."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def scenario():
+        port = _free_port()
+        server = uvicorn.Server(uvicorn.Config(_chunked_app, port=port, log_level="warning"))
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        transport = LeanTransport()
+        client = httpx.AsyncClient(transport=transport, base_url=f"http://127.0.0.1:{port}")
+        try:
+            assert (await client.post("/", content=b"x")).status_code == 200
+            (idle,) = transport._idle
+            idle.transport.close()  # its connection_lost has not run yet
+            assert not idle.is_closed
+            r = await client.post("/", content=b"x")  # reused, found closed: a fresh one
+            assert r.status_code == 200 and r.content == b"part0;part1;part2;"
+            assert idle not in transport._idle
+            url = httpx.URL(f"http://127.0.0.1:{port}/")
+            conn, _ = await transport._connection(url, 1.0, fresh=True)
+            conn.transport.close()
+            await asyncio.sleep(0)  # the handle is closed now: a write would raise
+            with pytest.raises(httpx.ConnectError):
+                await conn.send(b"POST / HTTP/1.1\r\nhost: x\r\n\r\n", b"", 1.0)
+        finally:
+            await client.aclose()
+            server.should_exit = True
+            await serving
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(scenario())
+
+
 def _free_port() -> int:
     from tests.servers import free_port
 
