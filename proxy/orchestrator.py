@@ -240,6 +240,12 @@ class Orchestrator:
             self.metrics.stream_errors.inc()
             yield error_event(error_message(e.body) or e.message, e.status or 502)
             return
+        except Exception:  # noqa: BLE001 — a bug: the stream still ends clearly
+            logger.exception("reaching decode worker %s failed", decode.url)
+            self._give_back(prefilled)
+            self.metrics.stream_errors.inc()
+            yield error_event("internal error in the proxy", 500)
+            return
         except BaseException:  # the client went away while D was being reached
             self._give_back(prefilled)
             raise
@@ -273,8 +279,11 @@ class Orchestrator:
                 if chunk:
                     yield chunk
             finished = True
-        except httpx.HTTPError as e:
-            logger.warning("decode worker %s failed mid-stream: %r", decode.url, e)
+        except Exception as e:  # noqa: BLE001 — httpx's errors, and a bug: a clear end
+            if isinstance(e, httpx.HTTPError):
+                logger.warning("decode worker %s failed mid-stream: %r", decode.url, e)
+            else:
+                logger.exception("relaying decode worker %s failed", decode.url)
             self.metrics.stream_errors.inc()
             finished = True
             self._give_back(prefilled)
