@@ -7,6 +7,10 @@ errors; "direct D" is the floor (the client streams from the D stub itself, no p
 proxies route round robin. The router is installed by this script into its own virtualenv.
 
     .venv/bin/python benchmarks/bench_proxy.py [--duration 5] [--repeats 3] [--concurrency 1 32]
+        [--proxy-workers 1 2] [--http-clients lean httpx]
+
+pdserve runs once per `--workers` value and HTTP client to the workers (its hand-written lean
+transport, or httpx's own), each against the router in the same run.
 """
 
 from __future__ import annotations
@@ -107,6 +111,8 @@ def run_wrk(wrk: str, url: str, concurrency: int, duration: float, script: Path)
     seconds = max(1, round(duration))
     cmd = [wrk, "-t1", f"-c{concurrency}", f"-d{seconds}s", "--latency", "-s", str(script), url]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    if re.search(r"99%\s+[\d.]+(us|ms|s|m)\b", out) is None:
+        sys.exit(f"wrk against {url} gave no latencies:\n{out}")
     errors = sum(int(n) for n in re.findall(r"(?:Non-2xx or 3xx responses|timeout) (\d+)", out))
     errors += sum(int(n) for n in re.findall(r"(?:connect|read|write) (\d+)", out))
     return {
@@ -133,10 +139,20 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians reported")
     ap.add_argument("--router-version", default="0.1.17")
+    ap.add_argument(
+        "--proxy-workers", type=int, nargs="+", default=[1, 2], help="pdserve's --workers values"
+    )
+    ap.add_argument(
+        "--http-clients",
+        nargs="+",
+        default=["lean", "httpx"],
+        choices=["lean", "httpx"],
+        help="pdserve's --http-client values (each with each --proxy-workers)",
+    )
     ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args()
     wrk, router = ensure_wrk(), ensure_router(a.router_version)
-    ports = {name: free_port() for name in ("prefill", "decode", "pdserve", "router", "metrics")}
+    ports = {name: free_port() for name in ("prefill", "decode", "router", "metrics")}
     p_url, d_url = (f"http://127.0.0.1:{ports[r]}" for r in ("prefill", "decode"))
     log_dir = Path(tempfile.mkdtemp(prefix="bench_proxy_"))
     script = log_dir / "post.lua"
@@ -145,21 +161,23 @@ def main() -> None:
     stub = [sys.executable, str(ROOT / "benchmarks" / "proxy_stubs.py")]
     procs.start("stub_prefill", [*stub, "prefill", "--port", str(ports["prefill"])])
     procs.start("stub_decode", [*stub, "decode", "--port", str(ports["decode"])])
-    procs.start("pdserve", [
-        sys.executable, "-m", "proxy", "--prefill", p_url, "--decode", d_url,
-        "--port", str(ports["pdserve"]), "--log-level", "warning",
-        "--prefill-policy", "round_robin", "--decode-policy", "round_robin",
-    ])  # fmt: skip
+    targets = {"direct D (floor)": f"{d_url}/v1/completions"}
+    for n in a.proxy_workers:
+        for client in a.http_clients:
+            name, port = f"pdserve ×{n} {client}", free_port()
+            procs.start(name, [
+                sys.executable, "-m", "proxy", "--prefill", p_url, "--decode", d_url,
+                "--port", str(port), "--log-level", "warning", "--workers", str(n),
+                "--http-client", client,
+                "--prefill-policy", "round_robin", "--decode-policy", "round_robin",
+            ])  # fmt: skip
+            targets[name] = f"http://127.0.0.1:{port}/v1/completions"
     procs.start("router", [
         str(router), "--vllm-pd-disaggregation", "--prefill", p_url, "--decode", d_url,
         "--port", str(ports["router"]), "--policy", "round_robin", "--log-level", "warning",
         "--prometheus-port", str(ports["metrics"]),
     ])  # fmt: skip
-    targets = {
-        "direct D (floor)": f"{d_url}/v1/completions",
-        "pdserve proxy": f"http://127.0.0.1:{ports['pdserve']}/v1/completions",
-        "vllm-router": f"http://127.0.0.1:{ports['router']}/v1/completions",
-    }
+    targets["vllm-router"] = f"http://127.0.0.1:{ports['router']}/v1/completions"
     results: dict[str, dict[int, dict]] = {}
     try:
         for url in targets.values():
@@ -190,14 +208,16 @@ def report(results: dict, concurrencies: list[int], duration: float, repeats: in
             r = rows[c]
             print(f"| {name} | {c} | {r['rps']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} "
                   f"| {r['errors']} |")  # fmt: skip
-    ours, peer, floor = (results[k] for k in ("pdserve proxy", "vllm-router", "direct D (floor)"))
-    print("\n| concurrency | req/s pdserve / router | p50 pdserve − router (ms) "
+    peer, floor = results["vllm-router"], results["direct D (floor)"]
+    print("\n| pdserve | concurrency | req/s pdserve / router | p50 pdserve − router (ms) "
           "| p50 added over direct D: pdserve / router (ms) |")  # fmt: skip
-    print("|---:|---:|---:|---:|")
-    for c in concurrencies:
-        o, p, f = ours[c], peer[c], floor[c]
-        print(f"| {c} | {o['rps'] / p['rps']:.2f} | {o['p50_ms'] - p['p50_ms']:+.2f} "
-              f"| {o['p50_ms'] - f['p50_ms']:.2f} / {p['p50_ms'] - f['p50_ms']:.2f} |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|")
+    for name in (k for k in results if k.startswith("pdserve")):
+        for c in concurrencies:
+            o, p, f = results[name][c], peer[c], floor[c]
+            added = f"{o['p50_ms'] - f['p50_ms']:.2f} / {p['p50_ms'] - f['p50_ms']:.2f}"
+            print(f"| {name} | {c} | {o['rps'] / p['rps']:.2f} "
+                  f"| {o['p50_ms'] - p['p50_ms']:+.2f} | {added} |")  # fmt: skip
 
 
 if __name__ == "__main__":

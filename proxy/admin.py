@@ -8,6 +8,9 @@ set they are refused, so an open proxy cannot be reconfigured by its clients.
 - `POST /admin/workers/drain` `{"url"}`: no new requests; running ones finish
 - `POST /admin/workers/remove` `{"url"}`: gone from routing (running requests finish, then its
   client closes). A worker found by DNS comes back while its address still resolves.
+
+With `--workers N` a change is applied by the process that receives it and then by every other
+(`"processes"` in the answer counts those that did); a list is the answering process's view.
 """
 
 from __future__ import annotations
@@ -60,8 +63,22 @@ def install_admin_routes(app: FastAPI, proxy: Proxy) -> None:
 
     @app.get("/admin/workers")
     async def list_workers(request: Request):
+        """This process's view (with `--workers N`, each process checks the workers itself)."""
         await authorized(request)
-        return {"workers": [w.describe() for w in proxy.all_workers()]}
+        workers = [w.describe() for w in proxy.all_workers()]
+        return {"workers": workers, "process": proxy.process_index}
+
+    async def to_siblings(request: Request, body: BaseModel, answer: dict) -> dict:
+        """With `--workers N`: the same change on every other process (proxy/siblings.py)."""
+        if proxy.siblings is None or proxy.siblings.is_peer(request.headers):
+            return answer
+        auth = {"authorization": request.headers.get("authorization", "")}
+        path = request.url.path
+        applied = await proxy.siblings.broadcast(path, body.model_dump_json().encode(), auth)
+        return {**answer, "processes": 1 + applied}
+
+    def is_peer(request: Request) -> bool:
+        return proxy.siblings is not None and proxy.siblings.is_peer(request.headers)
 
     @app.post("/admin/workers", openapi_extra=json_body_openapi(AddWorker))
     async def add_worker(request: Request):
@@ -70,19 +87,27 @@ def install_admin_routes(app: FastAPI, proxy: Proxy) -> None:
             url = check_worker_url(body.url)
         except ValueError as e:
             raise InvalidRequestError(str(e), param="url") from e
-        if proxy.find_worker(url) is not None:
+        if (known := proxy.find_worker(url)) is not None:
+            if is_peer(request):  # a sibling's change this process already has (e.g. by DNS)
+                return known.describe()
             raise InvalidRequestError(f"{url} is already a worker", param="url")
         worker = await proxy.admit_worker(body.role, url, "admin")
-        return worker.describe()
+        return await to_siblings(request, body, worker.describe())
 
     @app.post("/admin/workers/drain", openapi_extra=json_body_openapi(WorkerRef))
     async def drain_worker(request: Request):
-        worker = find((await body_of(request, WorkerRef)).url)
+        body = await body_of(request, WorkerRef)
+        if is_peer(request) and proxy.find_worker(body.url) is None:
+            return {"url": body.url, "missing": True}
+        worker = find(body.url)
         worker.is_draining = True
-        return worker.describe()
+        return await to_siblings(request, body, worker.describe())
 
     @app.post("/admin/workers/remove", openapi_extra=json_body_openapi(WorkerRef))
     async def remove_worker(request: Request):
-        worker = find((await body_of(request, WorkerRef)).url)
+        body = await body_of(request, WorkerRef)
+        if is_peer(request) and proxy.find_worker(body.url) is None:
+            return {"url": body.url, "missing": True}
+        worker = find(body.url)
         proxy.remove_worker(worker)
-        return {**worker.describe(), "removed": True}
+        return await to_siblings(request, body, {**worker.describe(), "removed": True})

@@ -11,6 +11,7 @@ its key's rate before its body is read, and waits for a slot once it parsed.
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from contextlib import asynccontextmanager
 
@@ -33,14 +34,17 @@ from proxy.admin import install_admin_routes
 from proxy.admission import HeldResponse, Slot
 from proxy.config import ProxyConfig
 from proxy.orchestrator import UpstreamAPIError
+from proxy.processes import ProcessInfo
 from proxy.request import CHAT_PATH, COMPLETIONS_PATH, GENERATION_PATHS, ProxyRequest
+from proxy.siblings import merge_metrics
 from proxy.state import Proxy, bearer_key, check_key
 
 logger = logging.getLogger(__name__)
 
 
-def build_app(cfg: ProxyConfig) -> GenerationFastPath:
-    proxy = Proxy(cfg)
+def build_app(cfg: ProxyConfig, process: ProcessInfo | None = None) -> GenerationFastPath:
+    """The app; `process` when it is one of `--workers N` processes (proxy/processes.py)."""
+    proxy = Proxy(cfg, process)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -85,6 +89,7 @@ async def serve(proxy: Proxy, request: Request, path: str) -> Response:
         raise
     response.headers["X-Request-Id"] = rid
     proxy.metrics.requests.labels(path, str(response.status_code)).inc()
+    proxy.count_answered()
     return response if slot is None else HeldResponse(response, slot)
 
 
@@ -141,10 +146,15 @@ def _install_status_routes(app: FastAPI, proxy: Proxy) -> None:
         body = {
             "ready": proxy.is_ready,
             "mode": proxy.cfg.mode,
+            "process": {"index": proxy.process_index, "pid": os.getpid()},
             "workers": [w.describe() for w in proxy.all_workers()],
         }
         return JSONResponse(body, status_code=200 if proxy.is_ready else 503)
 
     @app.get("/metrics")
-    async def metrics():
-        return Response(proxy.metrics.render(), media_type="text/plain; version=0.0.4")
+    async def metrics(request: Request):
+        """This process's metrics; with `--workers N`, merged with its siblings'."""
+        text = proxy.metrics.render()
+        if proxy.siblings is not None and not proxy.siblings.is_peer(request.headers):
+            text = merge_metrics([text.decode(), *await proxy.siblings.metrics()])
+        return Response(text, media_type="text/plain; version=0.0.4")

@@ -19,6 +19,7 @@ from proxy.discovery import DnsName, is_dns_entry, parse_dns_server
 
 MODES = ("pull", "push", "colocated")
 POLICIES = ("round_robin", "least_outstanding", "power_of_two", "prefix")
+HTTP_CLIENTS = ("lean", "httpx")
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,11 @@ class ProxyConfig:
     max_concurrency: int = 0  # requests in flight through the proxy; 0: no limit, no queue
     max_queue: int = 1024  # requests waiting for a slot beyond that
     queue_timeout: float = 30.0  # the longest wait for a slot, seconds
+    # KV-aware routing (proxy/kv_routing.py): subscribe to the workers' KV events, route by them
+    kv_routing: bool = True
+    cached_on_decode_tokens: int = 64  # a D holding all of a prompt but fewer: D alone; 0: off
+    workers: int = 0  # proxy processes on the port (proxy/processes.py); 0: one per core
+    http_client: str = "lean"  # to the workers: proxy/transport.py, or httpx's own ("httpx")
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -100,7 +106,15 @@ class ProxyConfig:
             raise ValueError("timeouts must be > 0 seconds")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.workers < 0:
+            raise ValueError(f"workers must be >= 0 (0: one per core), got {self.workers}")
+        if self.http_client not in HTTP_CLIENTS:
+            raise ValueError(f"http_client must be one of {HTTP_CLIENTS}, got {self.http_client!r}")
         self._check_admission()
+        if self.cached_on_decode_tokens < 0:
+            raise ValueError(
+                f"cached_on_decode_tokens must be >= 0, got {self.cached_on_decode_tokens}"
+            )
 
     def _check_admission(self) -> None:
         parse_rate_limits(self.rate_limit)
@@ -190,6 +204,31 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-concurrency", type=int, help="requests in flight; more wait in a queue (0: off)")
     add("--max-queue", type=int, help="requests waiting for a slot; 429 beyond (1024)")
     add("--queue-timeout", type=float, help="seconds a request may wait for a slot (30)")
+    add(
+        "--no-kv-routing",
+        dest="kv_routing",
+        action="store_const",
+        const=False,
+        help="do not subscribe to the workers' KV events: prefix routing hashes the prompt's "
+        "first characters, as it does for workers that publish none",
+    )
+    add(
+        "--cached-on-decode-tokens",
+        type=int,
+        help="a decode worker whose KV events show it holds all of a prompt but fewer tokens "
+        "serves it alone, no prefill worker (64; 0: off)",
+    )
+    add(
+        "--workers",
+        type=int,
+        help="proxy processes sharing the port (SO_REUSEPORT); 0 (default): one per core the "
+        "host gives the proxy (its CPU affinity and cgroup quota)",
+    )
+    add(
+        "--http-client",
+        choices=HTTP_CLIENTS,
+        help="the HTTP client to the workers: lean (default; proxy/transport.py) or httpx",
+    )
     add("--log-level", choices=["debug", "info", "warning", "error"])
     return p
 

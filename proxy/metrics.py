@@ -7,14 +7,21 @@
 (proxy/discovery.py). Admission (proxy/admission.py):
 `pdserve_proxy_admission_rejected_total{reason}` (`rate_limited`, `queue_full`,
 `queue_timeout`), `pdserve_proxy_queue_depth`, `pdserve_proxy_admitted_running` (slots held)
-and `pdserve_proxy_queue_wait_seconds`.
+and `pdserve_proxy_queue_wait_seconds`. KV-aware routing (proxy/kv_routing.py):
+`pdserve_proxy_prefix_hit_blocks{role}` (prompt blocks the chosen worker held, by its KV events)
+and `pdserve_proxy_prefix_query_blocks{role}` (the prompts' full blocks),
+`pdserve_proxy_kv_fallbacks_total{reason}`, `pdserve_proxy_render_seconds`,
+`pdserve_proxy_kv_index_blocks{role, url}`; and what P itself reports in each answer's usage:
+`pdserve_proxy_prefill_cached_tokens` of `pdserve_proxy_prefill_prompt_tokens`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from proxy.workers import WorkerPool
+from proxy.workers import Worker, WorkerPool
 
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -25,6 +32,12 @@ class ProxyMetrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
             "pdserve_proxy_requests", "Answered requests", ["endpoint", "status"], registry=r
+        )
+        self.process_requests = Counter(
+            "pdserve_proxy_process_requests",
+            "Answered requests by proxy process (--workers; merged /metrics shows each)",
+            ["process"],
+            registry=r,
         )
         self.routed = Counter(
             "pdserve_proxy_routed", "Requests by path and reason", ["path", "reason"], registry=r
@@ -73,6 +86,7 @@ class ProxyMetrics:
         )
 
         self._add_admission_metrics(r)
+        self._add_kv_routing_metrics(r)
 
     def _add_admission_metrics(self, r: CollectorRegistry) -> None:
         self.admission_rejected = Counter(
@@ -94,6 +108,59 @@ class ProxyMetrics:
             registry=r,
         )
 
+    def _add_kv_routing_metrics(self, r: CollectorRegistry) -> None:
+        self.prefix_hit_blocks = Counter(
+            "pdserve_proxy_prefix_hit_blocks",
+            "Prompt blocks the chosen worker held (its KV events), by role",
+            ["role"],
+            registry=r,
+        )
+        self.prefix_query_blocks = Counter(
+            "pdserve_proxy_prefix_query_blocks",
+            "Full prompt blocks of requests routed by KV events, by role",
+            ["role"],
+            registry=r,
+        )
+        self.kv_fallbacks = Counter(
+            "pdserve_proxy_kv_fallbacks",
+            "Choices made without the workers' KV events, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.render_seconds = Histogram(
+            "pdserve_proxy_render_seconds",
+            "Render calls for a prompt's token ids",
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.kv_index_blocks = Gauge(
+            "pdserve_proxy_kv_index_blocks",
+            "Blocks a worker holds, by its KV events",
+            ["role", "url"],
+            registry=r,
+        )
+        self.index_sizes: Callable[[], Iterable[tuple[Worker, int]]] = tuple  # set by the feeds
+        self.prefill_cached_tokens = Counter(
+            "pdserve_proxy_prefill_cached_tokens",
+            "Prompt tokens P served from its prefix cache, as its answers report",
+            registry=r,
+        )
+        self.prefill_prompt_tokens = Counter(
+            "pdserve_proxy_prefill_prompt_tokens", "Prompt tokens of P's answers", registry=r
+        )
+
+    def count_prefill_usage(self, answer: dict) -> None:
+        """P's own word on its prefix cache: `usage.prompt_tokens_details.cached_tokens`."""
+        usage = answer.get("usage")
+        if not isinstance(usage, dict):
+            return
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        prompt = usage.get("prompt_tokens")
+        if isinstance(prompt, int) and isinstance(cached, int):
+            self.prefill_prompt_tokens.inc(prompt)
+            self.prefill_cached_tokens.inc(cached)
+
     def render(self) -> bytes:
         for role, pool in self.pools.items():
             healthy = sum(w.is_healthy and not w.is_draining for w in pool.workers)
@@ -102,4 +169,7 @@ class ProxyMetrics:
             self.workers.labels(role, "draining").set(draining)
             self.workers.labels(role, "unhealthy").set(len(pool) - healthy - draining)
             self.outstanding.labels(role).set(sum(w.num_outstanding for w in pool.workers))
+        self.kv_index_blocks.clear()  # workers gone from the pools leave the gauge
+        for worker, num_blocks in self.index_sizes():
+            self.kv_index_blocks.labels(worker.role, worker.url).set(num_blocks)
         return generate_latest(self.registry)

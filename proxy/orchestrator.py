@@ -1,7 +1,10 @@
 """One request through the workers: plan the path, prefill on P, decode on D, stream back.
 
+- **Route.** Where workers publish KV events, P and D are chosen by the blocks they hold, the
+  prompt's token ids rendered first (proxy/kv_routing.py); elsewhere by the pools' policies.
 - **Plan.** Disaggregated (P then D) unless the mode is colocated, the prompt is short
-  (`min_disagg_tokens`, estimated), it is a batch of prompts, or no P is routable: then D alone.
+  (`min_disagg_tokens`, estimated), it is a batch of prompts, no P is routable, or D already
+  holds all of the prompt but a few tokens (`cached_on_decode_tokens`): then D alone.
 - **Prefill.** P computes the prompt and one token and keeps the KV (pull) or writes it into
   blocks D reserved first (push). A P that fails is ejected (connect errors) and the next one is
   tried; when none is left the request goes to D alone. A P that the health checks eject while
@@ -29,6 +32,8 @@ from fastapi.responses import Response
 from common.api.errors import APIError, ServerError, UnavailableError
 from proxy.config import ProxyConfig
 from proxy.inflight import InFlight
+from proxy.kv_events import KVEventFeeds
+from proxy.kv_routing import KVRouter
 from proxy.metrics import ProxyMetrics
 from proxy.policies import create_policy
 from proxy.request import ProxyRequest
@@ -53,7 +58,13 @@ class Prefilled:
 
 
 class Orchestrator:
-    def __init__(self, cfg: ProxyConfig, pools: dict[str, WorkerPool], metrics: ProxyMetrics):
+    def __init__(
+        self,
+        cfg: ProxyConfig,
+        pools: dict[str, WorkerPool],
+        metrics: ProxyMetrics,
+        kv_events: KVEventFeeds,
+    ):
         self.cfg = cfg
         self.pools = pools
         self.metrics = metrics
@@ -68,14 +79,16 @@ class Orchestrator:
         self._whole_timeout = httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout)
         self._background: set[asyncio.Task] = set()
         self.inflight = InFlight()  # prefills, cut short when health checks eject their P
+        self.kv = KVRouter(cfg, pools, kv_events, metrics)
 
     async def handle(self, req: ProxyRequest) -> Response:
         start = time.perf_counter()
-        decode = self._choose("decode", req)
-        path, reason = self._plan(req)
+        token_ids = await self.kv.prompt_tokens(req)  # None: no worker's KV events to route by
+        decode = self._choose("decode", req, token_ids=token_ids)
+        path, reason = self._plan(req, decode, token_ids)
         prefilled = None
         if path == "disaggregated":
-            prefilled = await self._prefill(req, decode)
+            prefilled = await self._prefill(req, decode, token_ids)
             if prefilled is None:
                 path, reason = "colocated", "prefill_failed"
         self.metrics.routed.labels(path, reason).inc()
@@ -96,7 +109,9 @@ class Orchestrator:
         return _sse(self._relay(resp, decode, prefilled, start))
 
     # -- plan and prefill ------------------------------------------------------------------------
-    def _plan(self, req: ProxyRequest) -> tuple[str, str]:
+    def _plan(
+        self, req: ProxyRequest, decode: Worker, token_ids: list[int] | None
+    ) -> tuple[str, str]:
         if self.cfg.mode == "colocated":
             return "colocated", "mode"
         if req.is_batch:
@@ -105,20 +120,33 @@ class Orchestrator:
             return "colocated", "no_prefill"
         if self.cfg.min_disagg_tokens and req.estimated_tokens() < self.cfg.min_disagg_tokens:
             return "colocated", "short_prompt"
+        if token_ids is not None and self.kv.is_cached_on(decode, token_ids):
+            return "colocated", "cached_on_decode"
         return "disaggregated", self.cfg.mode
 
-    def _choose(self, role: str, req: ProxyRequest, tried: tuple[Worker, ...] = ()) -> Worker:
+    def _choose(
+        self,
+        role: str,
+        req: ProxyRequest,
+        tried: tuple[Worker, ...] = (),
+        token_ids: list[int] | None = None,
+    ) -> Worker:
         workers = self.pools[role].routable(exclude=tried)
         if not workers:
             raise UnavailableError(f"no healthy {role} worker", headers={"Retry-After": "1"})
-        return self.policies[role].choose(workers, req.prompt_text[: self.cfg.prefix_chars])
+        key = req.prompt_text[: self.cfg.prefix_chars]
+        if token_ids is not None:
+            return self.kv.choose(role, workers, token_ids, self.policies[role], key)
+        return self.policies[role].choose(workers, key)
 
-    async def _prefill(self, req: ProxyRequest, decode: Worker) -> Prefilled | None:
+    async def _prefill(
+        self, req: ProxyRequest, decode: Worker, token_ids: list[int] | None
+    ) -> Prefilled | None:
         tried: tuple[Worker, ...] = ()
         for attempt in range(1 + self.cfg.max_retries):
             if not self.pools["prefill"].routable(exclude=tried):
                 return None
-            worker = self._choose("prefill", req, tried)
+            worker = self._choose("prefill", req, tried, token_ids)
             tried += (worker,)
             if attempt:
                 self.metrics.retries.labels("prefill").inc()
@@ -128,9 +156,10 @@ class Orchestrator:
                 worker.num_outstanding += 1
                 headers = {"X-Request-Id": req.request_id, **self.internal}
                 body = req.prefill_body(push_to)
-                answer = await self.inflight.call(
-                    worker, post_json(worker, req.path, body, headers, self._prefill_timeout)
-                )
+                with self.kv.prefilling(worker, token_ids):
+                    answer = await self.inflight.call(
+                        worker, post_json(worker, req.path, body, headers, self._prefill_timeout)
+                    )
             except UpstreamError as e:
                 self._failed(e)
                 if push_to is not None:
@@ -141,6 +170,7 @@ class Orchestrator:
             finally:
                 worker.num_outstanding -= 1
             self.metrics.prefill.observe(time.perf_counter() - started)
+            self.metrics.count_prefill_usage(answer)
             params = answer.get("kv_transfer_params")
             if not isinstance(params, dict):
                 logger.warning("prefill worker %s returned no kv_transfer_params", worker.url)

@@ -3,6 +3,10 @@
 Each policy is a small class with `choose(workers, key)`; `POLICIES` is the registry the config
 names. `workers` are the routable ones (healthy, not draining, not already tried), never empty;
 `key` is the prompt's leading characters, used only by prefix-aware routing.
+
+`prefix` is the hash fallback of exact KV-aware routing: where workers publish KV events, the
+proxy routes by the blocks they really hold (proxy/kv_routing.py) and asks these policies only
+to break ties.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import random
 from abc import ABC, abstractmethod
 
 from proxy.workers import Worker
+
+LOAD_FACTOR = 1.25  # how far above the average (or the best) a worker's load may be and still win
 
 
 class RoutingPolicy(ABC):
@@ -62,7 +68,7 @@ class PrefixAware(RoutingPolicy):
 
     VNODES = 64
 
-    def __init__(self, load_factor: float = 1.25) -> None:
+    def __init__(self, load_factor: float = LOAD_FACTOR) -> None:
         self.load_factor = load_factor
         self._rings: dict[tuple[int, ...], tuple[list[int], list[Worker]]] = {}
 

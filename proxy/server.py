@@ -1,32 +1,45 @@
-"""Run the proxy: parse the command line, build the app, serve it with uvicorn (uvloop and
-httptools when installed)."""
+"""Run the proxy: parse the command line, then either serve the app with uvicorn (uvloop and
+httptools when installed), or, with `--workers N` above 1, start N such processes on one port
+and supervise them (proxy/processes.py)."""
 
 from __future__ import annotations
 
 import logging
+import sys
 
 import uvicorn
 
-from proxy.app import build_app
 from proxy.config import parse_args
+from proxy.processes import ProcessInfo, default_process_count, supervise
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     cfg = parse_args(argv)
+    process = ProcessInfo.from_env()
+    tag = f"[{process.index}]" if process else ""
     logging.basicConfig(
-        level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=cfg.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s proxy{tag} %(name)s: %(message)s",
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per upstream call
-    logging.getLogger(__name__).info(
-        "proxy on http://%s:%d, mode %s: prefill %s, decode %s",
-        cfg.host,
-        cfg.port,
-        cfg.mode,
-        list(cfg.prefill),
-        list(cfg.decode),
-    )
-    uvicorn.run(
-        build_app(cfg),
+    count = cfg.workers or default_process_count()
+    if process is None:
+        logging.getLogger(__name__).info(
+            "proxy on http://%s:%d, mode %s, %d process(es): prefill %s, decode %s",
+            cfg.host,
+            cfg.port,
+            cfg.mode,
+            count,
+            list(cfg.prefill),
+            list(cfg.decode),
+        )
+        if count > 1:
+            sys.exit(supervise(argv, cfg.host, cfg.port, count))
+    from proxy.app import build_app  # NOTE: only where it serves: the supervisor stays light
+
+    config = uvicorn.Config(
+        build_app(cfg, process),
         host=cfg.host,
         port=cfg.port,
         log_level=cfg.log_level,
@@ -35,3 +48,4 @@ def main(argv: list[str] | None = None) -> None:
         http="auto",
         timeout_graceful_shutdown=10,
     )
+    uvicorn.Server(config).run(sockets=process.sockets() if process else None)

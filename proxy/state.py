@@ -1,6 +1,7 @@
 """What the proxy's routes share: `Proxy` (config, worker pools, health checks, discovery,
-orchestration, metrics) and the API-key check. The app (proxy/app.py) builds it; the admin routes
-(proxy/admin.py) use it too, so both import it from here and the imports point one way.
+KV event subscriptions, orchestration, metrics) and the API-key check. The app (proxy/app.py)
+builds it; the admin routes (proxy/admin.py) use it too, so both import it from here and the
+imports point one way.
 
 Workers join and leave the pools here, whoever asks (the admin routes, DNS discovery): a joining
 worker is checked at once; a removed one leaves routing at once and its client closes once its
@@ -20,8 +21,11 @@ from proxy.admission import Admission
 from proxy.config import ProxyConfig
 from proxy.discovery import DnsDiscovery, make_resolver
 from proxy.health import HealthChecker
+from proxy.kv_events import KVEventFeeds
 from proxy.metrics import ProxyMetrics
 from proxy.orchestrator import Orchestrator
+from proxy.processes import ProcessInfo
+from proxy.siblings import Siblings
 from proxy.upstream import make_client
 from proxy.workers import ROLES, Worker, WorkerPool, normalize_url
 
@@ -32,11 +36,17 @@ class Proxy:
     """What the routes share: config, worker pools, health checks, discovery, orchestration,
     metrics."""
 
-    def __init__(self, cfg: ProxyConfig):
+    def __init__(self, cfg: ProxyConfig, process: ProcessInfo | None = None):
         self.cfg = cfg
+        self.process_index = process.index if process else 0
+        self.siblings = Siblings(process) if process and process.count > 1 else None
         self.pools = {role: WorkerPool(role) for role in ROLES}
         self.metrics = ProxyMetrics(self.pools)
-        self.orchestrator = Orchestrator(cfg, self.pools, self.metrics)
+        self.count_answered = self.metrics.process_requests.labels(str(self.process_index)).inc
+        internal = {"X-Internal-Token": cfg.internal_token} if cfg.internal_token else {}
+        self.kv_events = KVEventFeeds(self.all_workers, internal, cfg.connect_timeout)
+        self.metrics.index_sizes = self.kv_events.sizes
+        self.orchestrator = Orchestrator(cfg, self.pools, self.metrics, self.kv_events)
         self.admission = Admission(cfg, self.metrics)
         self.health = HealthChecker(
             cfg.health, self.all_workers, on_eject=self.orchestrator.inflight.cut
@@ -62,7 +72,8 @@ class Proxy:
 
     def add_worker(self, role: str, url: str, source: str = "static") -> Worker:
         url = normalize_url(url)
-        worker = Worker(url, role, *make_client(url, self.cfg.connect_timeout), source=source)
+        lean = self.cfg.http_client == "lean"
+        worker = Worker(url, role, *make_client(url, self.cfg.connect_timeout, lean), source=source)
         self.pools[role].add(worker)
         return worker
 
@@ -107,18 +118,24 @@ class Proxy:
         await asyncio.gather(*(d.refresh() for d in self.discoveries))
         await self.health.check_all()  # /ready is true from the first moment it can be
         self.health.start()
+        if self.cfg.kv_routing:
+            await self.kv_events.sync()  # subscribed before the first request, where it can be
+            self.kv_events.start()
         for discovery in self.discoveries:
             discovery.start()
 
     async def stop(self) -> None:
         await asyncio.gather(*(d.stop() for d in self.discoveries))
         await self.health.stop()
+        await self.kv_events.stop()
         for task in list(self._closers):
             task.cancel()
         await asyncio.gather(*self._closers, return_exceptions=True)
         await self.orchestrator.close()
         for worker in self.all_workers() + self.removed:
             await worker.client.aclose()
+        if self.siblings is not None:
+            await self.siblings.aclose()
 
 
 async def _until_idle(worker: Worker) -> None:

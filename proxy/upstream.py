@@ -64,11 +64,14 @@ class WorkerEjected(UpstreamError):
         return "ejected"
 
 
-def make_client(url: str, connect_timeout: float) -> tuple[httpx.AsyncClient, AsyncBaseTransport]:
+def make_client(
+    url: str, connect_timeout: float, lean: bool = True
+) -> tuple[httpx.AsyncClient, AsyncBaseTransport]:
     """One client per worker, keep-alive, explicit timeouts. Plain HTTP goes through the lean
-    transport (TLS through httpx's own); the hot path calls the transport directly, skipping
-    the client's auth / redirect / cookie layers it does not use."""
-    if url.startswith("http://"):
+    transport unless `lean` is off (`--http-client httpx`; TLS always through httpx's own);
+    the hot path calls the transport directly, skipping the client's auth / redirect / cookie
+    layers it does not use."""
+    if lean and url.startswith("http://"):
         transport: AsyncBaseTransport = LeanTransport()
     else:
         transport = httpx.AsyncHTTPTransport(

@@ -18,10 +18,14 @@ class ServerProcess(processes.ServerProcess):
     (P/D vs colocated, server vs offline engine) hold across computation paths only in fp32,
     and `--dtype auto` is bf16 on CPUs with native bf16. It runs eager unless its args say
     `--no-enforce-eager`: a compile costs each worker 5-20 s of start-up on 2 cores, and the
-    compiled path has its own tests (parity, P/D push)."""
+    compiled path has its own tests (parity, P/D push). A proxy runs as one process unless its
+    args say `--workers`: its per-process state (admission queue, outstanding counts) is what
+    most proxy tests pin down; tests/test_proxy_processes.py covers several."""
 
     def __init__(self, role: str, args: list[str], log_path: Path, port: int | None = None):
         args = list(args)
+        if role == "proxy" and "--workers" not in args:
+            args += ["--workers", "1"]
         if role != "proxy" and "--dtype" not in args:
             args += ["--dtype", "float32"]
         if role != "proxy" and "--no-enforce-eager" not in args:

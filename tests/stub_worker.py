@@ -105,6 +105,9 @@ class StubWorkers(ServerProcess):
     def served(self, host: str) -> int:
         return self.stats().get(host, {}).get("served", 0)
 
+    def running(self, host: str) -> int:
+        return self.stats().get(host, {}).get("running", 0)
+
 
 async def _serve(hosts: list[str], port: int, chunk_delay: float) -> None:
     app = make_app(chunk_delay)

@@ -45,7 +45,7 @@ WORKER_ROUTES = [
     "POST /v1/completions", "POST /v1/chat/completions", "POST /v1/completions/render",
     "POST /v1/chat/completions/render", "GET /v1/models", "GET /health",
     "GET /metrics", "GET /internal/kv/handshake", "POST /internal/kv/reserve",
-    "POST /internal/kv/release", "GET /internal/kv/peers",
+    "POST /internal/kv/release", "GET /internal/kv/peers", "GET /internal/kv-events",
 ]  # fmt: skip
 PROXY_ROUTES = [
     "POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health",

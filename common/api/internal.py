@@ -7,6 +7,9 @@
 - `POST /internal/kv/reserve` `{"num_tokens"}` (or `{"completion": body}` / `{"chat": body}`, a
   client's request that this worker tokenizes): a decode worker reserves blocks for a push and
   answers the `push_to` target a prefill worker writes into.
+- `GET /internal/kv-events`: where a router subscribes to this worker's KV events
+  (`--kv-events-endpoint`): connectable endpoints, topic, block size and engine id; the
+  endpoint is null when events are off (proxy/kv_events.py subscribes).
 
 With `--internal-token`, every internal route refuses a request without the header
 `X-Internal-Token: TOKEN` (401), and this worker sends it to its peers.
@@ -102,7 +105,46 @@ def _compat(engine) -> dict:
     )
 
 
+def kv_events_source(state: ServerState) -> dict:
+    """Where a router subscribes to this worker's KV events. A wildcard bind host becomes this
+    worker's advertised host (`--kv-host`, else `--host`), so the address is one a peer can
+    connect to. The endpoint is null when events are off, and when the publisher connects out
+    (a host that is not a wildcard: a broker the router must know about itself) or publishes
+    in-process; the replay endpoint is null without one. The engine id is new at each start:
+    a router's index of this worker's blocks starts over when it changes."""
+    config = state.require_ready().engine.config
+    events, host = config.kv_events, config.transfer.advertise_host
+    endpoint = _connectable(events.endpoint, host) if _is_bound(events.endpoint) else None
+    replay = _connectable(events.replay_endpoint, host) if endpoint else None
+    return {
+        "endpoint": endpoint,
+        "replay_endpoint": replay,
+        "topic": events.topic,
+        "block_size": config.cache.block_size,
+        "engine_id": config.transfer.engine_id,
+    }
+
+
+def _is_bound(endpoint: str | None) -> bool:
+    """The publisher's rule (common/kv_cache/event_publisher.py): binds a wildcard or ipc."""
+    return endpoint is not None and ("*" in endpoint or "::" in endpoint or "ipc://" in endpoint)
+
+
+def _connectable(endpoint: str | None, host: str) -> str | None:
+    if endpoint is None or not endpoint.startswith("tcp://"):
+        return endpoint  # ipc://: a path on this host
+    bound, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if bound in ("*", "[*]", "::", "[::]", "0.0.0.0"):
+        bound = f"[{host}]" if ":" in host else host
+    return f"tcp://{bound}:{port}"
+
+
 def install_internal_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/internal/kv-events")
+    async def kv_events(request: Request):
+        check_internal_token(state, request)
+        return kv_events_source(state)
+
     @app.get("/internal/kv/peers")
     async def peers(request: Request):
         check_internal_token(state, request)

@@ -1,0 +1,107 @@
+"""One worker's prefix cache as its KV events describe it, and how much of a prompt it holds.
+
+The events are vLLM 0.32's (common/kv_cache/events.py writes them; docs/interop.md): a
+`BlockStored` carries, for a run of blocks of one prefix chain, the hash of the block before the
+run and `block_size` token ids per block. That is enough to index a block as
+`(parent hash, its tokens) → its hash` without knowing the worker's hash function (ours is a
+Python hash, vLLM's a sha256): a prompt's cached prefix is then a walk from the root, block by
+block, as long as the next `(parent, tokens)` is indexed. So the index matches exactly what the
+worker's own prefix-cache lookup would find (a chain broken by an evicted parent stops both).
+
+The structs declare only the fields the index reads; msgspec skips the others, so newer vLLM
+fields do no harm. Hashes may be ints or bytes (vLLM's sha256 mode). Blocks of a LoRA adapter or
+of another tier than the primary cache ("GPU", vLLM's name on every device) are not indexed: a
+base-model prompt with the same tokens would not hit them.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+Hash = int | bytes
+PRIMARY_MEDIA = (None, "GPU")
+
+
+class _Event(msgspec.Struct, tag=True):
+    pass
+
+
+class BlockStored(_Event):
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+
+
+class BlockRemoved(_Event):
+    block_hashes: list[Hash]
+    medium: str | None = None
+
+
+class AllBlocksCleared(_Event):
+    pass
+
+
+class EventBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+decode_batch = msgspec.msgpack.Decoder(EventBatch).decode
+
+
+class BlockIndex:
+    """The blocks one worker holds: `(parent hash, block tokens) → hash`, and back."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._by_key: dict[tuple[Hash | None, tuple[int, ...]], Hash] = {}
+        self._key_of: dict[Hash, tuple[Hash | None, tuple[int, ...]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._key_of)
+
+    def apply(self, batch: EventBatch) -> None:
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self.store(event)
+            elif isinstance(event, BlockRemoved):
+                if event.medium in PRIMARY_MEDIA:
+                    self.remove(event.block_hashes)
+            else:
+                self.clear()
+
+    def store(self, event: BlockStored) -> None:
+        if event.lora_id is not None or event.medium not in PRIMARY_MEDIA:
+            return
+        size, parent = event.block_size, event.parent_block_hash
+        if size != self.block_size or len(event.token_ids) != size * len(event.block_hashes):
+            return  # not this worker's block size: nothing a prompt walk could match
+        for i, block_hash in enumerate(event.block_hashes):
+            key = (parent, tuple(event.token_ids[i * size : (i + 1) * size]))
+            self._by_key[key] = block_hash
+            self._key_of[block_hash] = key
+            parent = block_hash
+
+    def remove(self, block_hashes: list[Hash]) -> None:
+        for block_hash in block_hashes:
+            key = self._key_of.pop(block_hash, None)
+            if key is not None and self._by_key.get(key) == block_hash:
+                del self._by_key[key]
+
+    def clear(self) -> None:
+        self._by_key.clear()
+        self._key_of.clear()
+
+    def match(self, token_ids: list[int]) -> int:
+        """How many leading full blocks of the prompt this worker holds."""
+        size, parent, num = self.block_size, None, 0
+        for start in range(0, len(token_ids) - size + 1, size):
+            parent = self._by_key.get((parent, tuple(token_ids[start : start + size])))
+            if parent is None:
+                break
+            num += 1
+        return num

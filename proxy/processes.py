@@ -1,0 +1,187 @@
+"""`--workers N`: N proxy processes on one port, sharing nothing but their configuration.
+
+One Python event loop tops out at one core; a Rust router uses every core. So the parent (this
+module, light: it never imports the app) binds the public address N times with SO_REUSEPORT,
+one listening socket per process (the kernel spreads new connections over them by address
+hash), plus one private loopback socket per process, and starts each child as `python -m proxy`
+with the same arguments, its two sockets inherited and `PDSERVE_PROXY_PROCESS` (JSON: its index,
+its siblings' private URLs, a random peer token) in its environment.
+
+What stays per process, and what that costs (docs/design.md, "Proxy processes"): health checks
+(N times the probes), outstanding counts (least-outstanding sees its own requests), prefix
+tables, rate buckets and the concurrency queue (a limit holds per process). Admin changes are
+applied where they land and sent on to every sibling; `/metrics` merges the siblings' answers
+(proxy/siblings.py). The parent forwards SIGTERM/SIGINT to every child (each drains as a single
+proxy does) and exits when all have; a child that dies is started again on the same sockets
+(connections queued on its socket wait for it), unless children keep dying.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import math
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.cpu import available_cores
+
+ENV = "PDSERVE_PROXY_PROCESS"
+MAX_RESTARTS = 5  # deaths within RESTART_WINDOW_S that stop the whole proxy (a crash loop)
+RESTART_WINDOW_S = 60.0
+POLL_S = 0.2
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """What a child is told: which one it is, its sockets, where its siblings listen."""
+
+    index: int
+    public_fd: int
+    private_fd: int
+    siblings: tuple[str, ...]  # every child's private URL, its own included (by index)
+    token: str  # proves a call came from a sibling: no fan-out again, local metrics only
+
+    @classmethod
+    def from_env(cls) -> ProcessInfo | None:
+        raw = os.environ.get(ENV)
+        if not raw:
+            return None
+        d = json.loads(raw)
+        return cls(d["index"], d["public_fd"], d["private_fd"], tuple(d["siblings"]), d["token"])
+
+    @property
+    def count(self) -> int:
+        return len(self.siblings)
+
+    @property
+    def others(self) -> list[str]:
+        return [url for i, url in enumerate(self.siblings) if i != self.index]
+
+    def sockets(self) -> list[socket.socket]:
+        return [socket.socket(fileno=self.public_fd), socket.socket(fileno=self.private_fd)]
+
+
+def default_process_count() -> int:
+    """The cores this process may use: its affinity mask, bounded by a cgroup CPU quota (a
+    container's `cpus:` or a pod's CPU limit)."""
+    cores = len(available_cores())
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cores = min(cores, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
+def bind_sockets(host: str, port: int, count: int) -> tuple[int, list[socket.socket]]:
+    """`count` listening-to-be sockets on one public (host, port), SO_REUSEPORT; port 0 picks
+    one free port for all of them."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sockets: list[socket.socket] = []
+    for _ in range(count):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        port = sock.getsockname()[1]
+        sockets.append(sock)
+    return port, sockets
+
+
+def _private_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+class Supervisor:
+    """Starts the children, forwards stop signals, restarts the dead, waits for all."""
+
+    def __init__(self, argv: list[str], host: str, port: int, count: int):
+        self.argv = argv
+        self.port, self.public = bind_sockets(host, port, count)
+        self.private = [_private_socket() for _ in range(count)]
+        self.siblings = [f"http://127.0.0.1:{s.getsockname()[1]}" for s in self.private]
+        self.token = secrets.token_hex(16)
+        self.children: list[subprocess.Popen | None] = [None] * count
+        self.deaths: list[float] = []
+        self.stopping = False
+        self.failed = False  # children kept dying: the exit status says so
+
+    def start(self, index: int) -> None:
+        public, private = self.public[index], self.private[index]
+        info = {
+            "index": index,
+            "public_fd": public.fileno(),
+            "private_fd": private.fileno(),
+            "siblings": self.siblings,
+            "token": self.token,
+        }
+        env = {**os.environ, ENV: json.dumps(info)}
+        cmd = [sys.executable, "-m", "proxy", *self.argv]
+        fds = (public.fileno(), private.fileno())
+        self.children[index] = subprocess.Popen(
+            cmd, env=env, pass_fds=fds, preexec_fn=_stop_with_parent
+        )
+
+    def stop(self, signum: int, _frame=None) -> None:
+        self.stopping = True
+        for child in self.children:
+            if child is not None and child.poll() is None:
+                child.send_signal(signum)
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+        for i in range(len(self.children)):
+            self.start(i)
+        logger.info(
+            "%d proxy processes on port %d (pids %s)",
+            len(self.children),
+            self.port,
+            [c.pid for c in self.children],
+        )
+        while True:
+            codes = [c.poll() for c in self.children]
+            if self.stopping and all(code is not None for code in codes):
+                return 1 if self.failed or any(code > 0 for code in codes) else 0
+            if not self.stopping:
+                for i, code in enumerate(codes):
+                    if code is not None:
+                        self._restart(i, code)
+            time.sleep(POLL_S)
+
+    def _restart(self, index: int, code: int) -> None:
+        now = time.monotonic()
+        self.deaths = [t for t in self.deaths if now - t < RESTART_WINDOW_S] + [now]
+        if len(self.deaths) > MAX_RESTARTS:
+            logger.error("proxy processes keep dying (the last with %d): stopping", code)
+            self.failed = True
+            self.stop(signal.SIGTERM)
+            return
+        logger.warning("proxy process %d exited with %d: starting it again", index, code)
+        self.start(index)
+
+
+def _stop_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies, even by SIGKILL (Linux), so
+    that no child outlives a supervisor that could not forward the signal."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def supervise(argv: list[str], host: str, port: int, count: int) -> int:
+    return Supervisor(argv, host, port, count).run()

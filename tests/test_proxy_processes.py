@@ -1,0 +1,159 @@
+"""`--workers N`: N proxy processes on one port (proxy/processes.py), in front of stub decode
+workers (tests/stub_worker.py): connections spread over the processes, `/metrics` answered by any
+of them counts every process, an admin change reaches every process, SIGTERM drains them all,
+a killed process is started again, and none outlives its supervisor."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.servers import ServerProcess, free_port, wait_until
+from tests.stub_worker import StubWorkers
+
+ADMIN = {"Authorization": "Bearer admin-k"}
+
+
+@pytest.fixture(scope="module")
+def stubs(tmp_path_factory):
+    """Stub D workers on 127.0.0.1 and 127.0.0.2 (one process, one port)."""
+    log = tmp_path_factory.mktemp("stubs") / "stubs.log"
+    stub = StubWorkers(["127.0.0.1", "127.0.0.2"], free_port(), log, chunk_delay=0.05)
+    yield stub.wait_ready()
+    stub.stop()
+
+
+def start_proxy(tmp_path, stubs, *args: str) -> ServerProcess:
+    proxy = ServerProcess(
+        "proxy",
+        ["--mode", "colocated", "--decode", stubs.url, "--workers", "2", "--admin-key", "admin-k"]
+        + ["--health-interval", "0.3", *args],
+        tmp_path / "proxy.log",
+    )
+    return proxy.wait_ready(path="/ready")
+
+
+def complete(proxy: ServerProcess, **kw) -> httpx.Response:
+    """One request on a fresh connection (the kernel picks the process per connection)."""
+    body = {"prompt": "hi", "max_tokens": 2, **kw}
+    return httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=30)
+
+
+def processes_seen(proxy: ServerProcess, path: str = "/ready", **kw) -> dict[int, dict]:
+    """Answers of `path` by process index, from fresh connections until both answered."""
+    seen: dict[int, dict] = {}
+
+    def both() -> bool:
+        body = httpx.get(f"{proxy.url}{path}", timeout=5, **kw).json()
+        index = body["process"]["index"] if path == "/ready" else body["process"]
+        seen[index] = body
+        return len(seen) == 2
+
+    assert wait_until(both, timeout=15, interval=0.02), f"only processes {list(seen)} answered"
+    return seen
+
+
+def test_connections_spread_and_metrics_count_every_process(tmp_path, stubs):
+    proxy = start_proxy(tmp_path, stubs)
+    try:
+        pids = {i: body["process"]["pid"] for i, body in processes_seen(proxy).items()}
+        assert len(set(pids.values())) == 2 and proxy.proc.pid not in pids.values()
+        assert all(complete(proxy).status_code == 200 for _ in range(30))
+        ok = 'pdserve_proxy_requests_total{endpoint="/v1/completions",status="200"}'
+        by_process = 'pdserve_proxy_process_requests_total{process="%d"}'
+        for _ in range(6):  # whichever process answers /metrics, it counts all 30
+            assert proxy.metric(ok) == 30
+            per_process = [proxy.metric(by_process % i, 0.0) for i in (0, 1)]
+            assert sum(per_process) == 30 and min(per_process) > 0, per_process
+    finally:
+        assert proxy.stop() == 0
+
+
+def test_an_admin_change_reaches_every_process(tmp_path, stubs):
+    proxy = start_proxy(tmp_path, stubs)
+    other = stubs.url_of("127.0.0.2")
+    try:
+        add = {"role": "decode", "url": other}
+        r = httpx.post(f"{proxy.url}/admin/workers", json=add, headers=ADMIN, timeout=10)
+        assert r.status_code == 200 and r.json()["processes"] == 2
+
+        def states(body: dict) -> dict[str, tuple[bool, bool]]:
+            return {w["url"]: (w["healthy"], w["draining"]) for w in body["workers"]}
+
+        def everywhere(expected: dict) -> bool:
+            seen = processes_seen(proxy, "/admin/workers", headers=ADMIN)
+            return all(states(body) == expected for body in seen.values())
+
+        assert wait_until(lambda: everywhere({stubs.url: (True, False), other: (True, False)}))
+        served = stubs.served("127.0.0.2")
+        assert all(complete(proxy).status_code == 200 for _ in range(12))
+        assert stubs.served("127.0.0.2") > served  # both processes route to it
+
+        drain = {"url": other}
+        r = httpx.post(f"{proxy.url}/admin/workers/drain", json=drain, headers=ADMIN, timeout=10)
+        assert r.status_code == 200 and r.json()["processes"] == 2
+        assert everywhere({stubs.url: (True, False), other: (True, True)})
+        served = stubs.served("127.0.0.2")
+        assert all(complete(proxy).status_code == 200 for _ in range(12))
+        assert stubs.served("127.0.0.2") == served  # no process sends it anything new
+
+        r = httpx.post(f"{proxy.url}/admin/workers/remove", json=drain, headers=ADMIN, timeout=10)
+        assert r.status_code == 200 and r.json()["processes"] == 2
+        assert everywhere({stubs.url: (True, False)})
+        forged = {**ADMIN, "X-Pdserve-Peer": "guess"}  # not a sibling: the change goes on
+        r = httpx.post(f"{proxy.url}/admin/workers", json=add, headers=forged, timeout=10)
+        assert r.status_code == 200 and r.json()["processes"] == 2
+    finally:
+        assert proxy.stop() == 0
+
+
+def test_sigterm_drains_every_process_and_a_killed_one_comes_back(tmp_path, stubs):
+    proxy = start_proxy(tmp_path, stubs)
+    pids = {i: body["process"]["pid"] for i, body in processes_seen(proxy).items()}
+
+    os.kill(pids[1], signal.SIGKILL)  # started again on the same sockets
+    assert all(complete(proxy).status_code == 200 for _ in range(10))
+    assert wait_until(lambda: processes_seen(proxy)[1]["process"]["pid"] != pids[1])
+    pids = {i: body["process"]["pid"] for i, body in processes_seen(proxy).items()}
+
+    def stream() -> list[str]:
+        body = {"prompt": "hi", "max_tokens": 40, "stream": True}  # 2 s at 0.05 s a chunk
+        url = f"{proxy.url}/v1/completions"
+        with httpx.stream("POST", url, json=body, timeout=30) as r:
+            return [line for line in r.iter_lines() if line]
+
+    running = stubs.running("127.0.0.1")
+    with ThreadPoolExecutor(6) as pool:
+        streams = [pool.submit(stream) for _ in range(6)]
+        assert wait_until(lambda: stubs.running("127.0.0.1") == running + 6)
+        proxy.proc.send_signal(signal.SIGTERM)
+        for s in streams:
+            lines = s.result(timeout=30)
+            assert lines[-1] == "data: [DONE]" and len(lines) == 41
+            assert all("error" not in json.loads(x[6:]) for x in lines[:-1])
+    assert proxy.proc.wait(timeout=20) == 0
+    for pid in pids.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    proxy.stop()
+
+
+def test_no_process_outlives_a_killed_supervisor(tmp_path, stubs):
+    proxy = start_proxy(tmp_path, stubs)
+    pids = [body["process"]["pid"] for body in processes_seen(proxy).values()]
+    proxy.proc.kill()
+
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    assert wait_until(lambda: all(gone(pid) for pid in pids), timeout=20)
+    proxy.stop()
