@@ -3,10 +3,15 @@
     python -m deploy.compose --prefill 2 --decode 6 --gpus 8 > compose.yml
     python -m deploy.compose --prefill 1 --decode 1 --cpu > compose.cpu.yml
 
-GPU: one service per worker (prefill-0, ..., decode-0, ...), each reserving exactly one GPU
-(compose's device reservation with one `device_ids` entry; prefill workers take the first ones),
-on its own port (prefill 8100, 8101, ...; decode 8200, 8201, ...), advertising its service name
-as `--kv-host`, the address its NIXL peers use; the proxy lists every worker's URL.
+GPU: one service per worker (prefill-0, ..., decode-0, ...), each running on a GPU of its own
+(prefill workers take the first ones), on its own port (prefill 8100, 8101, ...; decode 8200,
+8201, ...), advertising its service name as `--kv-host`, the address its NIXL peers use; the
+proxy lists every worker's URL. Every worker container sees every worker's GPU (its device
+reservation lists them all) and runs on its own through CUDA_VISIBLE_DEVICES, counted in PCI bus
+order like nvidia-smi: UCX's cuda_ipc (KV over NVLink) opens the peer's CUDA IPC handle, which
+works for a GPU that CUDA_VISIBLE_DEVICES hides but not for one missing from the container,
+where UCX falls back to tcp without a word. docs/deploy.md has the sources; each worker's
+`pdserve_kv_transport_info` shows what UCX chose.
 
 CPU: one service per role, `prefill` on 8100 and `decode` on 8200, with `scale: N` for N > 1,
 so that `docker-compose up --scale decode=3` adds replicas without a new file: nothing pins a
@@ -53,8 +58,9 @@ MODES = ("pull", "push", "colocated")
 TOKEN = "${PDSERVE_INTERNAL_TOKEN:?set PDSERVE_INTERNAL_TOKEN, e.g. in deploy/.env}"
 # NOTE: UCX's intra-node transports need more than the network: cma (process_vm_readv) only
 # reaches peers in the same PID namespace with ptrace rights (pid: host + SYS_PTRACE; Docker's
-# default seccomp profile blocks it otherwise), and cuda_ipc needs the host IPC namespace too.
-# Without them UCX silently falls back to tcp, several times slower. eth0 is the compose network.
+# default seccomp profile blocks it otherwise); cuda_ipc needs the peer's GPU in the container,
+# the host IPC namespace and the peer's PID as this process sees it (pid: host). Without them UCX
+# silently falls back to tcp, several times slower. eth0 is the compose network.
 UCX_TLS = {"cuda": "cuda_ipc,cuda_copy,cma,tcp", "cpu": "cma,tcp"}
 
 
@@ -202,6 +208,8 @@ def healthcheck(port: int) -> dict:
 
 
 def worker_service(shape: Shape, worker: WorkerService, gpu: int | None) -> dict:
+    """The worker's service; `gpu`: its own GPU (None on CPU), one of the node's that every
+    worker container sees."""
     device = ["--device", "cpu", "--dtype", "float32"] if shape.is_cpu else ["--device", "cuda"]
     kv_host = "auto" if shape.is_cpu else worker.name  # auto: each replica's own container IP
     command = ["python", "-m", f"{worker.role}_server", "--host", "0.0.0.0"]
@@ -223,6 +231,9 @@ def worker_service(shape: Shape, worker: WorkerService, gpu: int | None) -> dict
             "ulimits": {"memlock": -1},  # RDMA registration pins memory
         }
     )
+    gpu_env = (
+        {} if gpu is None else {"CUDA_VISIBLE_DEVICES": str(gpu), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    )
     service = {
         "image": shape.image_name,
         "command": Flow(command),
@@ -236,6 +247,7 @@ def worker_service(shape: Shape, worker: WorkerService, gpu: int | None) -> dict
             "UCX_TLS": UCX_TLS["cpu" if shape.is_cpu else "cuda"],
             "UCX_NET_DEVICES": "eth0",
             "NIXL_LOG_LEVEL": "WARN",
+            **gpu_env,
         },
         "volumes": volumes,
         "expose": [str(worker.port)],
@@ -246,8 +258,9 @@ def worker_service(shape: Shape, worker: WorkerService, gpu: int | None) -> dict
         "stop_grace_period": "35s",  # the workers' --drain-timeout is 30 s
         "healthcheck": healthcheck(worker.port),
     }
-    if gpu is not None:
-        device = {"driver": "nvidia", "device_ids": Flow([str(gpu)]), "capabilities": Flow(["gpu"])}
+    if gpu is not None:  # every worker's GPU: the peers' too, for CUDA IPC (see the top)
+        gpus = Flow([str(i) for i in range(shape.num_workers)])
+        device = {"driver": "nvidia", "device_ids": gpus, "capabilities": Flow(["gpu"])}
         service["deploy"] = {"resources": {"reservations": {"devices": [device]}}}
     return service
 

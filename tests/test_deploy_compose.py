@@ -3,9 +3,11 @@
 Every file is validated by `docker-compose config` (Debian's docker-compose; it needs no Docker
 engine, deploy/setup.sh installs it), and the invariants are checked on what compose itself
 reads back: unique ports, a /health check on every service, the proxy waiting for every worker
-service and listing it; on GPU one service per worker, one GPU each and none twice; on CPU one
-service per role that `--scale` can grow (no container name, host port or cpuset, `--kv-host
-auto`), found by the proxy as `dns://SERVICE:PORT`. Nothing is started: no Docker engine here.
+service and listing it; on GPU one service per worker, a GPU of its own (none twice) among all
+the workers' GPUs, which each container sees for CUDA IPC, in the host's IPC and PID namespaces;
+on CPU one service per role that `--scale` can grow (no container name, host port or cpuset,
+`--kv-host auto`), found by the proxy as `dns://SERVICE:PORT`. Nothing is started: no Docker
+engine here.
 """
 
 from __future__ import annotations
@@ -115,11 +117,13 @@ def check_invariants(config: dict, shape: str) -> None:
 
 
 def check_gpu_workers(workers: dict, args) -> None:
-    """One service per worker, each on exactly one GPU of its own, advertising its name."""
+    """One service per worker, advertising its name, on a GPU of its own (CUDA_VISIBLE_DEVICES,
+    in PCI bus order), none twice; every worker sees every worker's GPU and shares the host's
+    IPC and PID namespaces, which UCX's cuda_ipc needs to open a peer's CUDA IPC handle."""
     assert sorted(workers) == sorted(
         [f"prefill-{i}" for i in range(args.prefill)] + [f"decode-{i}" for i in range(args.decode)]
     )
-    gpu_ids = []
+    own_gpus, every_gpu = [], [str(i) for i in range(len(workers))]
     for name, service in workers.items():
         command = service["command"]
         assert command[:3] == ["python", "-m", f"{name.split('-')[0]}_server"], command
@@ -127,10 +131,15 @@ def check_gpu_workers(workers: dict, args) -> None:
         assert flag(command, "--device") == "cuda"
         (device,) = service["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
-        assert len(device["device_ids"]) == 1, f"{name}: exactly one GPU per worker"
-        gpu_ids += device["device_ids"]
-    assert len(gpu_ids) == len(set(gpu_ids)), f"a GPU is assigned twice: {gpu_ids}"
-    assert all(0 <= int(g) < (args.gpus or len(workers)) for g in gpu_ids), gpu_ids
+        assert device["device_ids"] == every_gpu, f"{name}: sees every worker's GPU"
+        env = service["environment"]
+        assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # as nvidia-smi and device_ids count
+        own_gpus.append(env["CUDA_VISIBLE_DEVICES"])
+        assert service["ipc"] == "host" and service["pid"] == "host", name
+        assert "SYS_PTRACE" in service["cap_add"], name
+        assert env["UCX_TLS"].startswith("cuda_ipc,"), name
+    assert sorted(own_gpus, key=int) == every_gpu, f"a GPU is run on twice: {own_gpus}"
+    assert len(every_gpu) <= (args.gpus or len(workers))
     check_cpusets(workers, args.host_cores)
 
 

@@ -7,9 +7,10 @@ KV blocks, prefix-cache hit rate) are read from the engine's last stats at scrap
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 from common.engine.async_engine import EngineStats
+from common.kv_transfer import transport_info
 from common.kv_transfer.transfers import DESCRIPTOR_BUCKETS, DescriptorHistogram
 
 _LATENCY_BUCKETS = (
@@ -72,6 +73,25 @@ class _DescriptorCollector:
                 running += count
                 cumulative.append((bound, running))
             family.add_metric([op], cumulative, histogram.total)
+        yield family
+
+
+class _TransportCollector:
+    """`pdserve_kv_transport_info{peer, transport}` = 1: the UCX transports of the KV READs or
+    WRITEs this worker initiates with each peer, as UCX reported its choice
+    (common/kv_transfer/transport_info.py)."""
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            "pdserve_kv_transport_info",
+            "UCX transports of the KV transfers this worker initiates with a NIXL peer (1 each),"
+            " as UCX reported its choice: cuda_ipc (NVLink/PCIe), cma (host memory), rc_*"
+            " (RDMA), tcp; unknown when UCX did not say",
+            labels=["peer", "transport"],
+        )
+        for peer, transports in sorted(transport_info.snapshot().items()):
+            for transport in sorted(transports):
+                family.add_metric([peer, transport], 1)
         yield family
 
 
@@ -209,6 +229,7 @@ class ServerMetrics:
         self.handshakes = Counter(
             "pdserve_kv_handshakes", "Handshakes with a new KV peer", registry=r
         )
+        r.register(_TransportCollector())
 
     def set_cpu(self, num_threads: int, num_cores: int) -> None:
         self.cpu_threads.set(num_threads)

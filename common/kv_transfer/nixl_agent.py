@@ -1,8 +1,11 @@
-"""Creating a NIXL agent that does not spin a core while idle.
+"""Creating a NIXL agent that does not spin a core while idle and reports its peers' transports.
 
 NOTE: NIXL's Python wrapper hard-codes its progress thread's delay to 0 µs, so an idle agent
 polls in a tight loop (a whole core). The agent is created with the wrapper's binding module
 swapped, for that one call, for a stand-in that sets `pthrDelay` on the way to the C++ agent.
+
+UCX's log is pointed at a file before NIXL loads UCX, and the agent comes back wrapped so that
+each peer's UCX transports are read from it (common/kv_transfer/transport_info.py).
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 from typing import Any
+
+from common.kv_transfer import transport_info
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +43,7 @@ class _DelayedBind:
 
 
 def create_agent(name: str, progress_delay_us: int) -> Any:
+    transport_info.configure()  # UCX reads its environment once, when NIXL first loads it
     api = _import_nixl_api()
     # RW: transfers and notifications share the agent across threads; peer changes are exclusive.
     config = api.nixl_agent_config(sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
@@ -50,7 +56,7 @@ def create_agent(name: str, progress_delay_us: int) -> Any:
             api.nixlBind = real
     if not proxy.is_used:
         logger.warning("could not set NIXL's progress-thread delay: an idle agent spins a core")
-    return agent
+    return transport_info.watch(agent, name)
 
 
 def _import_nixl_api() -> Any:

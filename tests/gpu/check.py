@@ -9,6 +9,9 @@ Parts (each bounded, the whole under ~8 minutes on one GPU including model prepa
   the KV (or loaded KV not visible to D's compute) shows as a mismatch or a checksum failure;
 - transfer: a request's KV READ over NIXL, VRAM to VRAM (two GPUs: across them), beside a
   device copy of the same bytes (tests/gpu/transfer.py), figures only;
+- kv_transport: P and D in two processes on two GPUs, one each through CUDA_VISIBLE_DEVICES as
+  in docker-compose: pull and push equal colocated, the UCX transport each side reports is
+  cuda_ipc (not tcp), and the GB/s (tests/gpu/pd_transport.py); skipped under two GPUs;
 - speed: SmolLM2 bf16 decode tokens/s at batch 1 and 32 (eager), figures only.
 A JSON summary goes to stdout (and to --out); progress goes to stderr.
 `--device cpu` runs pd and ordering on a tiny random model in fp32 with the torch backend: it
@@ -38,7 +41,7 @@ import torch  # noqa: E402
 from tests.gpu.engines import EngineSpec  # noqa: E402
 from tests.gpu.pd import burst_push, compare, engine_pair  # noqa: E402
 
-PARTS = ("flash", "pd", "ordering", "transfer", "speed")
+PARTS = ("flash", "pd", "ordering", "transfer", "kv_transport", "speed")
 NEEDS_CUDA = """\
 tests.gpu.check needs CUDA: torch {torch} sees no GPU here.
 On a CUDA machine, set up as tests/gpu/README.md says, then from the repo root:
@@ -56,6 +59,7 @@ class Plan:
     long_lens: tuple[int, ...]
     burst_lens: tuple[int, ...]
     sleep_cycles: int  # GPU sleep queued before each attention call on P (0: none)
+    transport_lens: tuple[int, ...] = ()  # kv_transport: the last one long, for GB/s
 
 
 def cuda_plan() -> Plan:
@@ -68,6 +72,7 @@ def cuda_plan() -> Plan:
         long_lens=(1031, 1536, 2000),
         burst_lens=(1100, 1250, 1400, 1550, 1700, 1850, 2000, 1300),
         sleep_cycles=2_000_000,  # ~1 ms per layer at ~2 GHz
+        transport_lens=(16, 513, 4000),
     )
 
 
@@ -81,6 +86,7 @@ def cpu_plan(model_dir: Path) -> Plan:
         long_lens=(200, 301),
         burst_lens=(150, 170, 190),
         sleep_cycles=0,
+        transport_lens=(5, 100),
     )
 
 
@@ -162,6 +168,15 @@ def transfer_part(device: str) -> dict:
     return measure(device)
 
 
+def kv_transport_part(plan: Plan) -> dict:
+    from tests.gpu.pd_transport import measure
+
+    def prompts(vocab_size: int) -> list[list[int]]:
+        return random_prompts(plan.transport_lens, vocab_size, seed=4)
+
+    return measure(plan.spec, prompts, max_tokens=8)
+
+
 def skipped(reason: str) -> dict:
     return {"status": "skipped", "reason": reason}
 
@@ -207,6 +222,8 @@ def run(args: argparse.Namespace, plan: Plan) -> dict:
     parts |= pd_parts(plan, args.parts, args.processes)
     if "transfer" in args.parts:
         parts["transfer"] = run_part("transfer", transfer_part, args.device)
+    if "kv_transport" in args.parts:
+        parts["kv_transport"] = run_part("kv_transport", kv_transport_part, plan)
     if "speed" in args.parts:
         parts["speed"] = run_part("speed", speed_part, args.device)
     passed = all(r["status"] in ("passed", "skipped", "measured") for r in parts.values())

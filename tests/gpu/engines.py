@@ -1,16 +1,20 @@
 """A prefill (P) or decode (D) engine with a NIXL connector, driven at the engine level (no HTTP).
 
 `EngineSide` wraps one `LLMEngine`: run requests to completion, reserve push targets, report
-transfer stats and whether every block came back. `ChildEngine` runs one in a child process
-behind the same methods, for when two NIXL agents in one process cannot reach each other
-(over VRAM that depends on the UCX transports). Values cross as plain dicts and lists.
+transfer stats, the UCX transports its transfers used and whether every block came back.
+`ChildEngine` runs one in a child process behind the same methods, for when two NIXL agents in
+one process cannot reach each other (over VRAM that depends on the UCX transports), or to give
+it an environment of its own (`CUDA_VISIBLE_DEVICES`). Values cross as plain dicts and lists.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +23,7 @@ import torch
 from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, TransferConfig
 from common.engine.engine import LLMEngine
 from common.engine.sampling_params import SamplingParams
+from common.kv_transfer import transport_info
 
 
 @dataclass(frozen=True)
@@ -124,8 +129,21 @@ class EngineSide:
             k: dict(v) if isinstance(v, dict) else v for k, v in vars(self.connector.stats).items()
         }
         push = self.connector.pushes.stats
-        stats.update(bytes_pushed=push.num_bytes, num_push_failures=push.num_failures)
+        stats.update(
+            bytes_pushed=push.num_bytes,
+            num_push_failures=push.num_failures,
+            push_seconds=push.seconds,
+        )
         return stats
+
+    def transports(self) -> dict[str, dict]:
+        """{peer agent: the UCX transports, and what UCX printed for each op} of the READs and
+        WRITEs this process initiated."""
+        details = transport_info.details()
+        return {
+            peer: {"transports": sorted(used), **details.get(peer, {})}
+            for peer, used in transport_info.snapshot().items()
+        }
 
     def settle(self, timeout: float = 10.0) -> bool:
         """Poll until no lease or reservation is left; True when every block is free again."""
@@ -154,12 +172,15 @@ class EngineSide:
 class ChildEngine:
     """An `EngineSide` in a spawned process; its methods are called over a pipe."""
 
-    def __init__(self, spec: EngineSpec, role: str, timeout: float = 300.0):
+    def __init__(
+        self, spec: EngineSpec, role: str, timeout: float = 300.0, env: dict | None = None
+    ):
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._timeout = timeout
         self._proc = ctx.Process(target=_serve, args=(child, spec, role), daemon=True)
-        self._proc.start()
+        with _environ(env or {}):  # the child starts with it, before CUDA or UCX load
+            self._proc.start()
         self._receive()  # the engine is built
 
     def __getattr__(self, name: str) -> Any:
@@ -185,6 +206,20 @@ class ChildEngine:
             self._proc.join(10)
             if self._proc.is_alive():
                 self._proc.kill()
+
+
+@contextmanager
+def _environ(env: dict) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _serve(conn, spec: EngineSpec, role: str) -> None:
