@@ -12,6 +12,13 @@ max(FLOPs / matmul rate, weight bytes / memory rate), both rates measured here f
 
 The engine runs its compiled forward (the default); `--with-eager` adds a column for the eager
 path (`--enforce-eager`) in the same run, `--enforce-eager` benchmarks the eager path alone.
+
+    python benchmarks/bench_engine.py --tensor-parallel-size 1 2 [--enforce-eager] ...
+
+compares tensor-parallel sizes instead (this engine only, on the same total threads: TP = N
+splits the process's threads and cores over its N ranks): tok/s, ms per model step, and rank 0's
+ms per step in each collective (all-reduce, plan broadcast, logits gather), waiting for the
+slowest rank included.
 """
 
 from __future__ import annotations
@@ -99,17 +106,78 @@ def bench_hf(model_dir, prompts, new_tokens: int, dtype: torch.dtype) -> float:
     return len(prompts) * new_tokens / elapsed
 
 
-def _engine(dtype: str, args, enforce_eager: bool) -> LLM:
+def _engine(dtype: str, args, enforce_eager: bool, tp: int = 1) -> LLM:
     start = time.perf_counter()
     llm = LLM(
         dtype=dtype,
         max_num_seqs=max(args.concurrency),
         max_num_batched_tokens=2048,
         enforce_eager=enforce_eager,
+        tensor_parallel_size=tp,
     )
     path = "eager" if enforce_eager else "compiled"
-    print(f"  engine ({path}) start-up {time.perf_counter() - start:.1f} s", flush=True)
+    print(f"  engine ({path}, TP {tp}) start-up {time.perf_counter() - start:.1f} s", flush=True)
     return llm
+
+
+COLLECTIVES = ("all_reduce", "broadcast", "gather")
+
+
+def bench_steps(llm: LLM, prompts, new_tokens: int) -> dict:
+    """tok/s, model steps, ms a step and rank 0's ms a step in each collective (TP > 1)."""
+    runner, counted = llm.engine.runner, [0]
+    execute = runner.execute
+
+    def counting(*a, **kw):
+        counted[0] += 1
+        return execute(*a, **kw)
+
+    runner.execute = counting
+    llm.generate([p[:16] for p in prompts[:2]], SamplingParams(max_tokens=2))  # warm-up
+    llm.engine.pool.reset_prefix_cache()
+    stats = llm.engine.tp.stats if llm.engine.tp is not None else None
+    counted[0] = 0
+    if stats is not None:
+        stats.reset()
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    del runner.execute
+    llm.engine.pool.reset_prefix_cache()
+    steps, tps = counted[0], len(prompts) * new_tokens / elapsed
+    row = dict(tps=tps, steps=steps, step_ms=elapsed / steps * 1e3)
+    for kind in COLLECTIVES:
+        seconds = stats.seconds.get(kind, 0.0) if stats else 0.0
+        row[kind] = seconds / steps * 1e3
+        row[f"{kind}_calls"] = (stats.calls.get(kind, 0) if stats else 0) / steps
+    return row
+
+
+def bench_tp(args, prompts) -> None:
+    rows = []
+    for dtype in args.dtype:
+        for tp in args.tensor_parallel_size:
+            llm = _engine(dtype, args, args.enforce_eager, tp)
+            name = str(llm.engine.config.model.torch_dtype).removeprefix("torch.")
+            for c in args.concurrency:
+                row = dict(
+                    dtype=name, tp=tp, batch=c, **bench_steps(llm, prompts[:c], args.new_tokens)
+                )
+                print(f"  TP {tp}, batch {c}: {row['tps']:.1f} tok/s", flush=True)
+                rows.append(row)
+            llm.shutdown()
+    print(
+        f"{'dtype':>8} | {'TP':>2} | {'batch':>5} | {'tok/s':>7} | {'ms/step':>7} | "
+        f"{'all-reduce ms/step (calls)':>26} | {'broadcast ms/step':>17} | {'gather ms/step':>14}"
+    )
+    for r in rows:
+        reduce = f"{r['all_reduce']:.2f} ({r['all_reduce_calls']:.0f})"
+        print(
+            f"{r['dtype']:>8} | {r['tp']:>2} | {r['batch']:>5} | {r['tps']:>7.1f} | "
+            f"{r['step_ms']:>7.2f} | {reduce:>26} | {r['broadcast']:>17.2f} | "
+            f"{r['gather']:>14.2f}"
+        )
 
 
 def bench_dtype(args, dtype: str, prompts, vllm_python) -> list[dict]:
@@ -182,6 +250,9 @@ def main() -> None:
     parser.add_argument("--vllm-version", default="0.32.0")
     parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile")
     parser.add_argument("--with-eager", action="store_true", help="also the eager path")
+    parser.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, nargs="+", help="compare these TP sizes"
+    )
     args = parser.parse_args()
 
     vllm_python = ensure_vllm(args.vllm_version) if args.peer == "vllm" else None
@@ -190,6 +261,9 @@ def main() -> None:
     prompts = torch.randint(100, vocab, (max(args.concurrency), args.prompt_len), generator=g)
     gbps = measure_memory_gbps()
     print(f"machine: {torch.get_num_threads()} threads, memory read {gbps:.1f} GB/s")
+    if args.tensor_parallel_size:
+        bench_tp(args, prompts.tolist())
+        return
     rows = []
     for dtype in args.dtype:
         rows += bench_dtype(args, dtype, prompts.tolist(), vllm_python)

@@ -117,6 +117,26 @@ class TransferConfig:
             raise ValueError("kv lease and load timeouts must be > 0 seconds")
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (common/parallel/): the model's heads, MLP columns and vocabulary are
+    split across `tensor_parallel_size` ranks, rank 0 being the engine itself."""
+
+    tensor_parallel_size: int = 1
+    # seconds rank 0 waits in one collective before the group counts as hung (a rank that
+    # dies is noticed at once: its sockets close and its process is watched)
+    tp_timeout: float = 300.0
+    # pin each rank to its run of the cores (the worker's --cpu-cores); else only the torch
+    # threads are split and ranks float over the process's mask, as a TP = 1 worker does
+    pin_ranks: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tp_timeout <= 0:
+            raise ValueError(f"tp_timeout must be > 0 seconds, got {self.tp_timeout}")
+
+
 _ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
 
 
@@ -157,3 +177,14 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        tp = self.parallel.tensor_parallel_size
+        if tp > 1 and self.transfer.connector is not None:
+            raise ValueError(
+                f"P/D KV transfer (kv_connector {self.transfer.connector}) needs "
+                f"tensor_parallel_size 1, got {tp}: moving head-sliced KV between "
+                "tensor-parallel workers is not implemented yet; use kv_connector none "
+                "(colocated serving)"
+            )

@@ -99,6 +99,22 @@ class CpuBudget:
         )
 
 
+def split_budget(
+    cores: frozenset[int], num_threads: int, num_parts: int
+) -> list[tuple[frozenset[int], int]]:
+    """`num_parts` shares (cores, threads) of a budget, one per tensor-parallel rank: runs of the
+    sorted cores and the threads divided as evenly as they go, at least one of each per share
+    (with fewer cores than shares, shares wrap around and overlap)."""
+    ordered = sorted(cores)
+    shares = []
+    for part in range(num_parts):
+        first, last = (len(ordered) * k // num_parts for k in (part, part + 1))
+        own = ordered[first:last] or [ordered[part % len(ordered)]]
+        threads = num_threads // num_parts + (part < num_threads % num_parts)
+        shares.append((frozenset(own), max(1, threads)))
+    return shares
+
+
 def pin_process(cores: frozenset[int]) -> None:
     """Pin every thread of this process to `cores`; threads started later inherit it."""
     os.sched_setaffinity(0, cores)

@@ -18,6 +18,7 @@ from common.config import (
     EngineConfig,
     KVEventsConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     TransferConfig,
 )
@@ -145,6 +146,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "restarts fast)",
     )
     add("--seed", type=int, default=0, help="seed of the engine's global RNG")
+    add(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over N ranks (Megatron-style: heads, MLP columns, vocabulary): "
+        "rank 0 is this process, ranks 1..N-1 are processes it starts, one per GPU (cuda:r) or "
+        "per share of the CPU budget; no P/D KV transfer at N > 1 (default 1)",
+    )
 
 
 def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
@@ -160,7 +170,8 @@ def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-memory",
         type=parse_size,
         default=1 << 30,
-        help="KV cache budget, e.g. 2GiB (default 1GiB)",
+        help="KV cache budget of the worker, all tensor-parallel ranks together, e.g. 2GiB "
+        "(default 1GiB)",
     )
     add("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     add("--max-num-seqs", type=int, default=256, help="most requests in one batch")
@@ -207,10 +218,11 @@ def _add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
     add = p.add_argument_group("KV transfer").add_argument
     add(
         "--kv-connector",
-        default="nixl",
+        default=None,
         choices=["nixl", "none"],
-        help="how KV moves "
-        "between prefill and decode workers (default nixl; none: colocated serving only)",
+        help="how KV moves between prefill and decode workers (default nixl, and none with "
+        "--tensor-parallel-size > 1, where transfer is not implemented yet; none: colocated "
+        "serving only)",
     )
     add(
         "--kv-host",
@@ -288,7 +300,8 @@ def _add_cpu_budget(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="LIST",
         help="pin the whole process (engine, NIXL/UCX and tokenizer threads) to these cores, "
-        "e.g. 0-1 or 0,2; each must be in the affinity mask it starts with (default: that mask)",
+        "e.g. 0-1 or 0,2; each must be in the affinity mask it starts with (default: that mask); "
+        "with --tensor-parallel-size N each rank is pinned to its run of them",
     )
     group.add_argument(
         "--cpu-threads",
@@ -298,6 +311,13 @@ def _add_cpu_budget(p: argparse.ArgumentParser) -> None:
         help="torch intra-op threads of the engine (default: one per core of --cpu-cores, or "
         "OMP_NUM_THREADS when set)",
     )
+
+
+def _connector(name: str | None, tensor_parallel_size: int) -> str | None:
+    """--kv-connector, defaulted: nixl at TP 1, none above (config.py refuses nixl there)."""
+    if name is None:
+        name = "nixl" if tensor_parallel_size == 1 else "none"
+    return None if name == "none" else name
 
 
 def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfig]:
@@ -321,7 +341,7 @@ def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, 
                 enable_prefix_caching=not a.no_prefix_caching,
             ),
             transfer=TransferConfig(
-                connector=None if a.kv_connector == "none" else a.kv_connector,
+                connector=_connector(a.kv_connector, a.tensor_parallel_size),
                 advertise_host=resolve_kv_host(a.kv_host, a.host),
                 advertise_port=a.port,
                 lease_timeout=a.kv_lease_timeout,
@@ -331,6 +351,9 @@ def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, 
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens
+            ),
+            parallel=ParallelConfig(
+                tensor_parallel_size=a.tensor_parallel_size, pin_ranks=a.cpu_cores is not None
             ),
             kv_events=KVEventsConfig(
                 endpoint=a.kv_events_endpoint,

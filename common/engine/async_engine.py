@@ -17,7 +17,9 @@ Leaving the `async for` early (a client that went away) aborts the request and f
 
 Fail closed: once the thread ends (a step raised, or `stop`), every request being generated,
 every call still queued and every later call or request fails at once with `EngineDeadError`;
-nothing waits forever. `on_death(error)` runs on the event loop when a failure ended it.
+nothing waits forever. `on_death(error)` runs on the event loop when a failure ended it. A
+tensor-parallel rank that exits ends the thread too: a step it was in fails, and an idle
+engine is woken with a command that raises the rank's death.
 
 KV events: with `engine.config.kv_events` on, the thread attaches a collector to the block pool
 and publishes what the prefix cache recorded after every step (and after commands and transfer
@@ -225,6 +227,7 @@ class AsyncEngine:
             self._fault_step = _fault_step_from_env()
             self.num_threads = set_torch_threads(self._num_threads_wanted)
             self.engine = self._factory()
+            self.engine.watch_ranks(lambda error: self._submit(_raiser(error), None))
             self._start_kv_events()
         except BaseException as e:  # noqa: BLE001 — handed to start()
             self.error = e
@@ -244,7 +247,10 @@ class AsyncEngine:
             self._release()
 
     def _release(self) -> None:
-        """Close what the engine thread opened: the connector, the KV events publisher."""
+        """Close what the engine thread opened: the connector, the KV events publisher, the
+        tensor-parallel ranks."""
+        if self.engine is not None:
+            self.engine.shutdown(failed=self.error is not None)
         connector = self.engine.connector if self.engine is not None else None
         if connector is not None and hasattr(connector, "close"):
             connector.close()
@@ -366,6 +372,13 @@ def _fault_step_from_env() -> int | None:
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"{FAULT_STEP_ENV} must be a step number >= 1, got {value!r}")
     return int(value)
+
+
+def _raiser(error: BaseException) -> Callable[[], None]:
+    def command() -> None:
+        raise error
+
+    return command
 
 
 def _settle(setter: Callable, value) -> None:

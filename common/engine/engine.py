@@ -2,6 +2,10 @@
 
     step: schedule → run the model (prepare, forward, sample) → update requests → outputs
 
+With `tensor_parallel_size` N > 1 the engine is rank 0 of N (common/parallel/): one shard of the
+model and KV cache, ranks 1..N-1 as processes fed each step's plan; scheduling, blocks and
+sampling stay here. No P/D KV transfer at N > 1 (config.py refuses a connector).
+
 A request with `n > 1` fans out into n child sequences (`<id>#<i>`); its outputs come back
 under the parent id with each child's index. With prefix caching on, the first child prefills
 alone and its siblings join once the prompt is computed: they share its full prompt blocks
@@ -13,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +38,9 @@ from common.kv_transfer.base import KVConnector, KVLoss
 from common.kv_transfer.params import RemotePrefill, wants_remote_prefill
 from common.model.hf_config import load_arch_config
 from common.model.loader import load_model
+from common.parallel.group import TPGroup
+from common.parallel.launch import RankDiedError, start_ranks
+from common.parallel.shard import TPShard, kv_heads_held
 from common.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -57,14 +65,11 @@ class LLMEngine:
         dtype, why = mc.dtype_choice.dtype, mc.dtype_choice.reason
         logger.info("dtype %s (--dtype %s: %s)", str(dtype).removeprefix("torch."), mc.dtype, why)
         torch.manual_seed(mc.seed)
-        self.model = load_model(model_dir, dtype, self.device, self.max_model_len)
-        backend = select_backend(
-            self.device, dtype, cc.block_size, mc.attention_backend, not mc.enforce_eager
-        )
-        for layer in self.model.attention_layers().values():
-            layer.backend = backend
-        self.num_blocks = cc.num_blocks or num_blocks_for_memory(
-            self.arch, cc.block_size, dtype, cc.kv_cache_memory
+        tp_size = config.parallel.tensor_parallel_size
+        self.tp = TPGroup(TPShard(0, tp_size), self.device) if tp_size > 1 else None
+        held = dataclasses.replace(self.arch, num_kv_heads=kv_heads_held(self.arch, tp_size))
+        self.num_blocks = cc.num_blocks or num_blocks_for_memory(  # the budget of all ranks
+            held, cc.block_size, dtype, cc.kv_cache_memory
         )
         if self.num_blocks * cc.block_size < self.max_model_len:
             raise ValueError(
@@ -72,9 +77,17 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}: raise num_blocks / kv_cache_memory or lower "
                 "max_model_len"
             )
-        self.kv_caches = allocate_kv_caches(
-            self.arch, self.num_blocks, cc.block_size, dtype, self.device
+        self.ranks = self.tp and start_ranks(config, dtype, self.max_model_len, self.num_blocks)
+        self.model = load_model(model_dir, dtype, self.device, self.max_model_len, self.tp)
+        backend = select_backend(
+            self.device, dtype, cc.block_size, mc.attention_backend, not mc.enforce_eager
         )
+        for layer in self.model.attention_layers().values():
+            layer.backend = backend
+        self.kv_caches = allocate_kv_caches(
+            self.model.config, self.num_blocks, cc.block_size, dtype, self.device
+        )
+        plans = self.ranks and self.ranks.connect(self.tp, cc.block_size)  # ranks loaded
         self.pool = BlockPool(self.num_blocks, cc.enable_prefix_caching)
         eos = tuple(sorted(set(self.arch.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.eos_token_ids = eos
@@ -89,6 +102,7 @@ class LLMEngine:
             self.device,
             self.connector,
             enforce_eager=mc.enforce_eager,
+            plans=plans,
         )
         self._ready: list[Request] = []  # finished outside a step, reported by the next one
         self._awaiting: list[tuple[Request, float]] = []  # pushed KV still arriving; deadline
@@ -105,6 +119,18 @@ class LLMEngine:
             cc.block_size,
             self.max_model_len,
         )
+
+    def watch_ranks(self, on_death: Callable[[RankDiedError], None]) -> None:
+        if self.ranks is not None:
+            self.ranks.watch(on_death)
+
+    def shutdown(self, failed: bool = False) -> None:
+        """Stop the tensor-parallel ranks (on the engine's thread; `failed`: kill them, a step
+        may be half done); nothing at TP = 1."""
+        if self.ranks is not None:
+            self.ranks, ranks = None, self.ranks
+            ranks.stop(None if failed else self.runner.plans)
+            self.tp.close()
 
     # -- requests -------------------------------------------------------------------------
     def add_request(

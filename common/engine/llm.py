@@ -5,7 +5,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from common.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from common.engine.engine import LLMEngine
 from common.engine.output import CompletionOutput, RequestOutput
 from common.engine.sampling_params import SamplingParams
@@ -14,13 +20,17 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """`LLM(model=None, **options)`: options are fields of ModelConfig, CacheConfig and
-    SchedulerConfig (e.g. `block_size=16, num_blocks=512, max_num_seqs=8`)."""
+    """`LLM(model=None, **options)`: options are fields of ModelConfig, CacheConfig,
+    SchedulerConfig and ParallelConfig (e.g. `block_size=16, num_blocks=512, max_num_seqs=8,
+    tensor_parallel_size=2`). `shutdown()` stops tensor-parallel ranks."""
 
     def __init__(self, model: str | None = None, **options):
         self.engine = LLMEngine(_config(model, options))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
 
     def generate(
         self,
@@ -76,6 +86,7 @@ def _config(model: str | None, options: dict) -> EngineConfig:
         ("model", ModelConfig),
         ("cache", CacheConfig),
         ("scheduler", SchedulerConfig),
+        ("parallel", ParallelConfig),
     ):
         fields = {f.name for f in dataclasses.fields(cls)}
         parts[name] = cls(

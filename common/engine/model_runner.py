@@ -2,6 +2,9 @@
 
 A step's batch is flattened: decodes (one new token) first, then prefill chunks. Only a request
 whose computed tokens catch up with its known tokens this step is sampled.
+
+With tensor parallelism (`plans`, common/parallel/) this is rank 0: before each forward it
+broadcasts the step's plan, and the other ranks run the same forward on their shards.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from common.engine.request import Request
 from common.engine.sampler import SampledToken, Sampler
 from common.kv_transfer.base import KVConnector
 from common.model.llama import LlamaForCausalLM
+from common.parallel.plan import PlanChannel, StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +46,10 @@ class ModelRunner:
         device: torch.device,
         connector: KVConnector | None = None,
         enforce_eager: bool = True,
+        plans: PlanChannel | None = None,
     ):
         self.model = model
+        self.plans = plans
         self.forward = model if enforce_eager else CompiledModel(model, device, kv_caches[0].dtype)
         self.layers = model.attention_layers()
         self.kv_caches = dict(zip(self.layers, kv_caches))
@@ -71,9 +77,13 @@ class ModelRunner:
             block_size=self.block_size,
             request_ids=["warm-up"],
         )
+        input_ids, positions = self._tensor([0, 0]), self._tensor([0, 1])
+        rows = positions
+        if self.plans is not None:
+            self.plans.send(StepPlan(input_ids, positions, meta, rows))
         with forward_context(ForwardContext(meta, self.layers, self.kv_caches)):
-            hidden = self.forward(self._tensor([0, 0]), self._tensor([0, 1]))
-        self.model.compute_logits(hidden)
+            hidden = self.forward(input_ids, positions)
+        self.model.compute_logits(hidden[rows])
         layer = next(iter(self.layers.values()))
         layer.backend.warm_up(list(self.kv_caches.values()), layer.num_heads)
         seconds = time.perf_counter() - start
@@ -94,6 +104,9 @@ class ModelRunner:
 
     def _execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, SampledToken]:
         batch = self.prepare(scheduled)
+        if self.plans is not None:
+            meta, rows = batch.attn_metadata, batch.logits_indices
+            self.plans.send(StepPlan(batch.input_ids, batch.positions, meta, rows))
         ctx = ForwardContext(batch.attn_metadata, self.layers, self.kv_caches, self.connector)
         transfers = self.connector is not None and self.connector.has_connector_metadata()
         with forward_context(ctx):

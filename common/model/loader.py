@@ -2,6 +2,9 @@
 
 Every error names the file and the problem: a missing file, an unsupported architecture, a
 tensor of the wrong shape, a weight the model needs that no file holds.
+
+A tensor-parallel rank (`tp`) reads only its rows or columns of each tensor (safetensors'
+slices; `TPShard.slice_of` says which), so no rank ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from safetensors import safe_open
 
 from common.model.hf_config import ArchConfig, ModelLoadError, load_arch_config
 from common.model.llama import LlamaForCausalLM
+from common.parallel.group import TPGroup
+from common.parallel.shard import TPShard
 
 # HF name fragment → (fused parameter fragment, shard index)
 _FUSED = {
@@ -26,16 +31,24 @@ _FUSED = {
 }
 
 
+_VOCAB_PARAMS = {"embed_tokens.weight", "lm_head.weight"}
+
+
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, max_positions: int
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_positions: int,
+    tp: TPGroup | None = None,
 ) -> LlamaForCausalLM:
+    """The model, or with `tp` this rank's shard of it."""
     model_dir = Path(model_dir)
     arch = load_arch_config(model_dir)
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, max_positions)
+        model = LlamaForCausalLM(arch, max_positions, tp)
     model = model.to_empty(device="cpu")
     _rebuild_buffers(model, arch, max_positions)
-    _load_weights(model, arch, model_dir)
+    _load_weights(model, arch, model_dir, None if tp is None else tp.shard)
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -62,28 +75,45 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
+def _iter_tensors(
+    files: list[Path], arch: ArchConfig, shard: TPShard | None
+) -> Iterator[tuple[Path, str, torch.Tensor]]:
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 — safe_open is not a dict
-                yield path, name, f.get_tensor(name)
+                part = None if shard is None else shard.slice_of(name.removeprefix("model."), arch)
+                if part is None:
+                    yield path, name, f.get_tensor(name)
+                else:
+                    dim, start, stop = part
+                    index = (slice(None),) * dim + (slice(start, stop),)
+                    yield path, name, f.get_slice(name)[index]
 
 
-def _load_weights(model: LlamaForCausalLM, arch: ArchConfig, model_dir: Path) -> None:
+def _load_weights(
+    model: LlamaForCausalLM, arch: ArchConfig, model_dir: Path, shard: TPShard | None = None
+) -> None:
+    local = model.config  # the shard's architecture (the whole model's without tp)
     params = dict(model.named_parameters())
+    vocab_rows = _vocab_rows(shard, arch.vocab_size)
+    with torch.no_grad():  # a vocab shard's padding rows (the last rank's) stay zero
+        for name in _VOCAB_PARAMS & params.keys():
+            params[name].data[vocab_rows:].zero_()
     filled: dict[str, int] = {}
     expected_shards = {
         name: (3 if "qkv_proj" in name else 2 if "gate_up" in name else 1) for name in params
     }
-    for path, name, tensor in _iter_tensors(_safetensors_files(model_dir)):
-        target, shard = _map_name(name)
+    for path, name, tensor in _iter_tensors(_safetensors_files(model_dir), arch, shard):
+        target, fused = _map_name(name)
         if target is None or (target == "lm_head.weight" and arch.tie_word_embeddings):
             continue
         if target not in params:
             raise ModelLoadError(
                 f"{path}: tensor {name!r} does not belong to a {arch.architecture}"
             )
-        dst = _shard_view(params[target], target, shard, arch)
+        dst = _shard_view(params[target], target, fused, local)
+        if target in _VOCAB_PARAMS:
+            dst = dst[:vocab_rows]
         if tuple(tensor.shape) != tuple(dst.shape):
             raise ModelLoadError(
                 f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
@@ -108,6 +138,14 @@ def _map_name(name: str) -> tuple[str | None, int | None]:
         if f".{frag}." in name:
             return name.replace(frag, fused), shard
     return name, None
+
+
+def _vocab_rows(shard: TPShard | None, vocab_size: int) -> int:
+    """How many rows of a vocab-parallel tensor hold the vocabulary; the rest are padding."""
+    if shard is None:
+        return vocab_size
+    start, stop = shard.vocab_range(vocab_size)
+    return stop - start
 
 
 def _shard_view(param: torch.Tensor, target: str, shard: int | None, arch: ArchConfig):
