@@ -102,8 +102,11 @@ def bind_sockets(host: str, port: int, count: int) -> tuple[int, list[socket.soc
 
 
 def _private_socket() -> socket.socket:
+    """Listening already: a sibling's call to a child that is still starting (or being started
+    again) waits in the backlog instead of being refused."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
     return sock
 
 

@@ -26,6 +26,7 @@ from proxy.processes import ProcessInfo
 PEER_HEADER = "x-pdserve-peer"
 VIEW_GAUGES = {"pdserve_proxy_workers", "pdserve_proxy_discovered_workers"}
 TIMEOUT_S = 5.0
+ADMIN_TIMEOUT_S = 30.0  # an admin change waits for a sibling that is still starting
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class Siblings:
 
     async def _post(self, url: str, body: bytes, headers: dict) -> bool:
         try:
-            r = await self._client.post(url, content=body, headers=headers)
+            r = await self._client.post(url, content=body, headers=headers, timeout=ADMIN_TIMEOUT_S)
         except httpx.HTTPError as e:
             logger.warning("admin change not applied by sibling %s: %r", url, e)
             return False

@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
+from proxy.processes import Supervisor
 from tests.servers import ServerProcess, free_port, wait_until
 from tests.stub_worker import StubWorkers
 
@@ -72,6 +74,21 @@ def test_connections_spread_and_metrics_count_every_process(tmp_path, stubs):
             assert sum(per_process) == 30 and min(per_process) > 0, per_process
     finally:
         assert proxy.stop() == 0
+
+
+def test_a_sibling_still_starting_is_waited_for_not_refused():
+    """The supervisor's private sockets listen before any child runs: an admin change sent on
+    to a sibling that has not started serving (or is being started again) queues; refused, it
+    would be lost on that process (CI saw `"processes": 1` right after start-up)."""
+    sup = Supervisor(["--port", "0"], "127.0.0.1", 0, 2)
+    try:
+        for url in sup.siblings:
+            host, port = url.removeprefix("http://").split(":")
+            with socket.create_connection((host, int(port)), timeout=2):
+                pass  # accepted into the backlog, with no child to accept it yet
+    finally:
+        for sock in sup.public + sup.private:
+            sock.close()
 
 
 def test_an_admin_change_reaches_every_process(tmp_path, stubs):
