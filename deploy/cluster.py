@@ -4,7 +4,9 @@ deploy/local.py is the command line around it; deploy/processes.py starts and st
 Workers bind 127.0.0.1 on their role's usual ports (8100, 8101, ... and 8200, 8201, ...) where
 those are free, else on ports the OS hands out; the proxy gets `--port` (0: any free one) and
 lists every worker's URL. Workers split the launcher's cores (deploy/cores.py): each gets its
-own `--cpu-cores` and `--cpu-threads`, unless `--no-cpu-split`.
+own `--cpu-cores` and `--cpu-threads`, unless `--no-cpu-split`; a worker with
+`--tensor-parallel-size N` (`--prefill-tp`/`--decode-tp`, colocated mode only: deploy/tp.py)
+gets N workers' share, one run of cores per rank.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from pathlib import Path
 from deploy.compose import BASE_PORTS, MODES, PROXY_PORT
 from deploy.cores import CpuPlan, WorkerCpu, plan_cores
 from deploy.processes import Child, Supervisor
+from deploy.tp import check_tensor_parallel, tp_args
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct (built-in)"
 WORKER_HOST = "127.0.0.1"
 CPU_FLAGS = ("--cpu-cores", "--cpu-threads")
+LAUNCHER_FLAGS = ("--port", "--internal-token", "--tensor-parallel-size", "-tp")
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,8 @@ class LocalConfig:
 
     num_prefill: int = 1
     num_decode: int = 1
+    prefill_tp: int = 1  # each worker's --tensor-parallel-size: > 1 only colocated
+    decode_tp: int = 1
     model: str | None = None  # an HF-format folder; None: the built-in default model
     host: str = "127.0.0.1"  # the proxy's bind address (workers stay on 127.0.0.1)
     port: int = PROXY_PORT  # 0: any free port
@@ -50,6 +56,7 @@ class LocalConfig:
             raise ValueError(f"--prefill 0 only works with --mode colocated, not {self.mode}")
         if self.mode not in MODES:
             raise ValueError(f"--mode must be one of {MODES}, got {self.mode!r}")
+        check_tensor_parallel(self.mode, self.tp)
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.model is not None and not Path(self.model).is_dir():
@@ -58,13 +65,20 @@ class LocalConfig:
             raise ValueError("--exit needs --ask")
         if self.question is not None and not self.is_waiting:
             raise ValueError("--ask needs the cluster ready: drop --no-wait")
-        if any(arg.split("=")[0] in ("--port", "--internal-token") for arg in self.worker_args):
-            raise ValueError("the launcher sets the workers' --port and --internal-token")
+        if any(arg.split("=")[0] in LAUNCHER_FLAGS for arg in self.worker_args):
+            raise ValueError(
+                "the launcher sets the workers' --port, --internal-token and "
+                "--tensor-parallel-size (--prefill-tp N, --decode-tp N)"
+            )
         if self.is_cpu_split and any(arg.split("=")[0] in CPU_FLAGS for arg in self.worker_args):
             raise ValueError(
                 "the launcher splits the cores among the workers (--cpu-cores, --cpu-threads); "
                 "to give every worker your own, add --no-cpu-split"
             )
+
+    @property
+    def tp(self) -> dict[str, int]:
+        return {"prefill": self.prefill_tp, "decode": self.decode_tp}
 
     @property
     def model_name(self) -> str:
@@ -75,7 +89,8 @@ class LocalConfig:
         """The launcher's cores split among the workers; None with --no-cpu-split."""
         if not self.is_cpu_split:
             return None
-        return plan_cores(self.num_prefill, self.num_decode, sorted(os.sched_getaffinity(0)))
+        cores = sorted(os.sched_getaffinity(0))
+        return plan_cores(self.num_prefill, self.num_decode, cores, self.prefill_tp, self.decode_tp)
 
 
 def is_port_free(host: str, port: int) -> bool:
@@ -103,6 +118,7 @@ def worker_command(cfg: LocalConfig, role: str, port: int, cpu: WorkerCpu | None
     cmd = [sys.executable, "-m", f"{role}_server", "--port", str(port)]
     if cfg.model:
         cmd += ["--model", str(Path(cfg.model).resolve())]
+    cmd += tp_args(cfg.tp[role])
     if cpu is not None:
         cmd += cpu.worker_args()
     return cmd + list(cfg.worker_args)
@@ -136,8 +152,9 @@ def start_cluster(cfg: LocalConfig, sup: Supervisor, proxy_port: int, log_dir: P
 
 
 def banner(cfg: LocalConfig, children: list[Child]) -> str:
+    p, d = (f" (TP {cfg.tp[role]} each)" if cfg.tp[role] > 1 else "" for role in cfg.tp)
     head = (
-        f"pdserve local cluster: {cfg.num_prefill} prefill + {cfg.num_decode} decode, "
+        f"pdserve local cluster: {cfg.num_prefill} prefill{p} + {cfg.num_decode} decode{d}, "
         f"mode {cfg.mode}, model {cfg.model_name}"
     )
     plan = cfg.cpu_plan

@@ -2,6 +2,7 @@
 
     python -m deploy.compose --prefill 2 --decode 6 --gpus 8 > compose.yml
     python -m deploy.compose --prefill 1 --decode 1 --cpu > compose.cpu.yml
+    python -m deploy.compose --prefill 0 --decode 2 --decode-tp 2 --mode colocated --gpus 4
 
 GPU: one service per worker (prefill-0, ..., decode-0, ...), each running on a GPU of its own
 (prefill workers take the first ones), on its own port (prefill 8100, 8101, ...; decode 8200,
@@ -12,6 +13,13 @@ order like nvidia-smi: UCX's cuda_ipc (KV over NVLink) opens the peer's CUDA IPC
 works for a GPU that CUDA_VISIBLE_DEVICES hides but not for one missing from the container,
 where UCX falls back to tcp without a word. docs/deploy.md has the sources; each worker's
 `pdserve_kv_transport_info` shows what UCX chose.
+
+Tensor parallelism (`--prefill-tp N`, `--decode-tp N`; `--gpus-per-worker N` is short for both):
+a TP-N worker runs `--tensor-parallel-size N` on N GPUs of its own, consecutive ones, which its
+CUDA_VISIBLE_DEVICES lists (`2,3`; its ranks take cuda:0..N-1 of them); device_ids still lists
+every worker's GPUs, and --gpus must cover N per worker. A TP-N worker has no P/D KV transfer
+yet (its --kv-connector defaults to none), so TP > 1 needs `--mode colocated`; other modes exit
+2 (deploy/tp.py) rather than write a file whose workers refuse to start.
 
 CPU: one service per role, `prefill` on 8100 and `decode` on 8200, with `scale: N` for N > 1,
 so that `docker-compose up --scale decode=3` adds replicas without a new file: nothing pins a
@@ -25,15 +33,17 @@ from the environment or an `.env` file and refuses to start without.
 
 deploy/docker-compose.yml and deploy/docker-compose.cpu.yml are this script's output for their
 shapes (the command is in each file's first line); tests/test_deploy_compose.py checks that.
-A shape that does not fit (more workers than GPUs) exits 2 with a message naming the numbers.
+A shape that does not fit (more tensor-parallel ranks than GPUs) exits 2 with a message naming
+the numbers.
 
 Cores (`--host-cores N`, default this machine's count; the plan of deploy/cores.py, prefill and
-decode apart, one torch thread per core): a GPU worker gets its run of cores as `cpuset` (so the
-whole container, NIXL/UCX threads included, stays there) and `--cpu-threads` to match. A CPU
-replica gets as many cores as a `cpus:` limit (a CPU-time quota, not pinning: a scaled replica
-cannot have cores of its own) and `--cpu-threads` to match, the count the plan gives each worker
-of its role at the generated scale; scaled beyond it, the replicas share the host's cores. With
-more workers than cores a warning goes to stderr. The proxy is light and unpinned.
+decode apart, one torch thread per core, N runs for a TP-N worker): a GPU worker gets its run of
+cores as `cpuset` (the whole container, NIXL/UCX threads included, stays there) and
+`--cpu-threads` to match. A CPU replica gets as many cores as a `cpus:` limit (a CPU-time quota,
+not pinning: a scaled replica cannot have cores of its own) and `--cpu-threads` to match, the
+count the plan gives each worker of its role at the generated scale; scaled beyond it, the
+replicas share the host's cores. With more workers (ranks) than cores a warning goes to stderr.
+The proxy is light and unpinned.
 `--host-cores 0` sets no limit (every worker takes every core).
 """
 
@@ -47,6 +57,7 @@ from dataclasses import dataclass
 import yaml  # PyYAML: already installed as a dependency of gguf, which the project requires
 
 from deploy.cores import CpuPlan, plan_cores
+from deploy.tp import add_tp_args, check_tensor_parallel, tp_args
 
 BASE_PORTS = {"prefill": 8100, "decode": 8200}
 MAX_WORKERS_PER_ROLE = 100  # prefill ports stay below 8200, decode ports below 8300
@@ -84,9 +95,10 @@ class Shape:
 
     num_prefill: int = 1
     num_decode: int = 1
-    num_gpus: int | None = None  # None: one per worker on GPU; must stay None with is_cpu
+    num_gpus: int | None = None  # None: one per TP rank on GPU; must stay None with is_cpu
     is_cpu: bool = False
-    gpus_per_worker: int = 1
+    prefill_tp: int = 1  # each prefill worker's --tensor-parallel-size (and GPUs)
+    decode_tp: int = 1
     image: str | None = None  # None: pdserve:latest (GPU) or pdserve:cpu
     model_dir: str | None = None  # host folder of an HF model; None: the built-in default model
     kv_cache_memory: str | None = None  # passed to workers as --kv-cache-memory
@@ -95,11 +107,6 @@ class Shape:
     host_cores: int = 0  # cores the workers split (deploy/cores.py); 0: no pinning
 
     def __post_init__(self) -> None:
-        if self.gpus_per_worker != 1:
-            raise ValueError(
-                f"--gpus-per-worker {self.gpus_per_worker}: tensor parallelism is not supported, "
-                "each worker runs on exactly one GPU"
-            )
         if self.mode not in MODES:
             raise ValueError(f"--mode must be one of {MODES}, got {self.mode!r}")
         if self.num_decode < 1 or self.num_prefill < 0:
@@ -108,12 +115,14 @@ class Shape:
             raise ValueError(f"--prefill 0 only works with --mode colocated, not {self.mode}")
         if max(self.num_prefill, self.num_decode) > MAX_WORKERS_PER_ROLE:
             raise ValueError(f"at most {MAX_WORKERS_PER_ROLE} workers of each role per node")
+        check_tensor_parallel(self.mode, self.tp)
         if self.is_cpu and self.num_gpus is not None:
             raise ValueError("--gpus and --cpu exclude each other")
-        if not self.is_cpu and self.num_gpus is not None and self.num_gpus < self.num_workers:
+        if not self.is_cpu and self.num_gpus is not None and self.num_gpus < self.num_ranks:
             raise ValueError(
                 f"the shape does not fit: {self.num_prefill} prefill + {self.num_decode} decode "
-                f"workers need {self.num_workers} GPUs (one each), but --gpus is {self.num_gpus}"
+                f"workers need {self.num_ranks} GPUs ({self._gpus_each}), "
+                f"but --gpus is {self.num_gpus}"
             )
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in [1, 65535], got {self.port}")
@@ -125,6 +134,24 @@ class Shape:
         return self.num_prefill + self.num_decode
 
     @property
+    def tp(self) -> dict[str, int]:
+        """Each role's tensor-parallel size: its workers' ranks, and GPUs on GPU."""
+        return {"prefill": self.prefill_tp, "decode": self.decode_tp}
+
+    @property
+    def num_ranks(self) -> int:
+        """Tensor-parallel ranks of every worker together: the GPUs they need."""
+        return self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp
+
+    @property
+    def _gpus_each(self) -> str:
+        counts = {"prefill": self.num_prefill, "decode": self.num_decode}
+        sizes = {role: tp for role, tp in self.tp.items() if counts[role]}
+        if set(sizes.values()) == {1}:
+            return "one each"
+        return ", ".join(f"{tp} per {role} worker" for role, tp in sizes.items())
+
+    @property
     def image_name(self) -> str:
         return self.image or ("pdserve:cpu" if self.is_cpu else "pdserve:latest")
 
@@ -132,13 +159,16 @@ class Shape:
     def cpu_plan(self) -> CpuPlan | None:
         if not self.host_cores:
             return None
-        return plan_cores(self.num_prefill, self.num_decode, list(range(self.host_cores)))
+        cores = list(range(self.host_cores))
+        return plan_cores(self.num_prefill, self.num_decode, cores, self.prefill_tp, self.decode_tp)
 
     def command_line(self) -> str:
         """The generator's command that reproduces this shape (the file's first line)."""
-        gpus = "--cpu" if self.is_cpu else f"--gpus {self.num_gpus or self.num_workers}"
+        gpus = "--cpu" if self.is_cpu else f"--gpus {self.num_gpus or self.num_ranks}"
         args = [f"--prefill {self.num_prefill}", f"--decode {self.num_decode}", gpus]
         options = [
+            ("prefill-tp", None if self.prefill_tp == 1 else self.prefill_tp),
+            ("decode-tp", None if self.decode_tp == 1 else self.decode_tp),
             ("image", self.image),
             ("model-dir", self.model_dir),
             ("kv-cache-memory", self.kv_cache_memory),
@@ -207,13 +237,14 @@ def healthcheck(port: int) -> dict:
     }
 
 
-def worker_service(shape: Shape, worker: WorkerService, gpu: int | None) -> dict:
-    """The worker's service; `gpu`: its own GPU (None on CPU), one of the node's that every
-    worker container sees."""
+def worker_service(shape: Shape, worker: WorkerService, gpus: list[int] | None) -> dict:
+    """The worker's service; `gpus`: its own GPUs, one per tensor-parallel rank (None on CPU),
+    among the node's that every worker container sees."""
     device = ["--device", "cpu", "--dtype", "float32"] if shape.is_cpu else ["--device", "cuda"]
     kv_host = "auto" if shape.is_cpu else worker.name  # auto: each replica's own container IP
     command = ["python", "-m", f"{worker.role}_server", "--host", "0.0.0.0"]
     command += ["--port", str(worker.port), "--kv-host", kv_host, *device]
+    command += tp_args(shape.tp[worker.role])  # TP > 1: colocated only (deploy/tp.py)
     volumes = [f"{CACHE_VOLUME}:{CACHE_DIR}"]
     if shape.model_dir:
         command += ["--model", MODEL_MOUNT]
@@ -223,17 +254,11 @@ def worker_service(shape: Shape, worker: WorkerService, gpu: int | None) -> dict
     num_threads, cores = worker_cpu(shape, worker)
     if num_threads is not None:  # sizes torch to the cores the service keys below give it
         command += ["--cpu-threads", str(num_threads)]
-    gpu_only = (
-        {}
-        if gpu is None
-        else {
-            "ipc": "host",
-            "ulimits": {"memlock": -1},  # RDMA registration pins memory
-        }
-    )
-    gpu_env = (
-        {} if gpu is None else {"CUDA_VISIBLE_DEVICES": str(gpu), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-    )
+    gpu_only, gpu_env = {}, {}
+    if gpus is not None:  # a TP-N worker's N GPUs: its ranks' cuda:0..N-1
+        gpu_only = {"ipc": "host", "ulimits": {"memlock": -1}}  # RDMA registration pins memory
+        visible = ",".join(str(i) for i in gpus)
+        gpu_env = {"CUDA_VISIBLE_DEVICES": visible, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     service = {
         "image": shape.image_name,
         "command": Flow(command),
@@ -258,9 +283,9 @@ def worker_service(shape: Shape, worker: WorkerService, gpu: int | None) -> dict
         "stop_grace_period": "35s",  # the workers' --drain-timeout is 30 s
         "healthcheck": healthcheck(worker.port),
     }
-    if gpu is not None:  # every worker's GPU: the peers' too, for CUDA IPC (see the top)
-        gpus = Flow([str(i) for i in range(shape.num_workers)])
-        device = {"driver": "nvidia", "device_ids": gpus, "capabilities": Flow(["gpu"])}
+    if gpus is not None:  # every worker's GPUs: the peers' too, for CUDA IPC (see the top)
+        every = Flow([str(i) for i in range(shape.num_ranks)])
+        device = {"driver": "nvidia", "device_ids": every, "capabilities": Flow(["gpu"])}
         service["deploy"] = {"resources": {"reservations": {"devices": [device]}}}
     return service
 
@@ -287,9 +312,12 @@ def proxy_service(shape: Shape, workers: list[WorkerService]) -> dict:
 def build_compose(shape: Shape) -> dict:
     """The compose document as a dict (services in order: prefill, decode, proxy)."""
     workers = worker_services(shape)
-    services = {}
-    for gpu, worker in enumerate(workers):
-        services[worker.name] = worker_service(shape, worker, None if shape.is_cpu else gpu)
+    services, first_gpu = {}, 0
+    for worker in workers:  # GPU: consecutive GPUs, as many as the worker has ranks
+        num_gpus = shape.tp[worker.role]
+        gpus = None if shape.is_cpu else list(range(first_gpu, first_gpu + num_gpus))
+        services[worker.name] = worker_service(shape, worker, gpus)
+        first_gpu += num_gpus
     services["proxy"] = proxy_service(shape, workers)
     return {"services": services, "volumes": {CACHE_VOLUME: {}}}
 
@@ -307,8 +335,15 @@ def build_parser() -> argparse.ArgumentParser:
     add = p.add_argument
     add("--prefill", type=int, default=1, help="prefill workers (default 1)")
     add("--decode", type=int, default=1, help="decode workers (default 1)")
-    add("--gpus", type=int, default=None, help="GPUs on the node (default: one per worker)")
-    add("--gpus-per-worker", type=int, default=1, help="must be 1: no tensor parallelism")
+    add("--gpus", type=int, default=None, help="GPUs on the node (default: one per TP rank)")
+    add_tp_args(add, default=None)  # a TP-N worker: N GPUs of its own
+    add(
+        "--gpus-per-worker",
+        type=int,
+        default=None,
+        metavar="N",
+        help="short for --prefill-tp N --decode-tp N (a worker's GPUs are its ranks)",
+    )
     add("--cpu", action="store_true", help="no GPUs: --device cpu, float32, image pdserve:cpu")
     add("--image", default=None, help="image of every service (default pdserve:latest or :cpu)")
     add(
@@ -334,13 +369,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     a = parser.parse_args(argv)
+    if a.gpus_per_worker is not None and (a.prefill_tp, a.decode_tp) != (None, None):
+        parser.error("--gpus-per-worker N is short for --prefill-tp N --decode-tp N: give either")
+    each = 1 if a.gpus_per_worker is None else a.gpus_per_worker
+    tp = {"prefill": a.prefill_tp, "decode": a.decode_tp}
+    tp = {role: each if size is None else size for role, size in tp.items()}
     try:
         shape = Shape(
             num_prefill=a.prefill,
             num_decode=a.decode,
             num_gpus=a.gpus,
             is_cpu=a.cpu,
-            gpus_per_worker=a.gpus_per_worker,
+            prefill_tp=tp["prefill"],
+            decode_tp=tp["decode"],
             image=a.image,
             model_dir=a.model_dir,
             kv_cache_memory=a.kv_cache_memory,

@@ -8,10 +8,16 @@ and two such processes on the same cores run far slower than either alone. So th
 split into contiguous runs, one per worker (prefill workers first; an uneven split gives the
 earlier workers one core more), each with one thread per core. The proxy is light and unpinned.
 
-With more workers than cores some must share: the plan says so in `warnings`, still keeps
-prefill and decode workers on different cores whenever there are two cores or more (each role
-gets a share of cores in proportion to its workers), and within a role deals its cores out one
-per worker, round robin. deploy/local.py passes the plan as --cpu-cores/--cpu-threads; deploy/
+A tensor-parallel worker (`prefill_tp`/`decode_tp` N > 1) runs N ranks, each of which takes
+its own run of the worker's cores (common.cpu.split_budget): the split counts it as N workers
+and gives it their N runs together, so it gets N times a TP = 1 worker's share, at least N
+cores where there are enough; with fewer, a worker's ranks share its cores before two workers
+share one.
+
+With more workers (ranks) than cores some must share: the plan says so in `warnings`, still
+keeps prefill and decode workers on different cores whenever there are two cores or more (each
+role gets a share of cores in proportion to its ranks), and within a role deals its cores out
+one per rank, round robin. deploy/local.py passes the plan as --cpu-cores/--cpu-threads; deploy/
 compose.py as each service's `cpuset` and --cpu-threads.
 """
 
@@ -76,28 +82,47 @@ def _role_shares(num_prefill: int, num_decode: int, num_cores: int) -> tuple[int
     return prefill, num_cores - prefill
 
 
-def plan_cores(num_prefill: int, num_decode: int, cores: list[int]) -> CpuPlan:
+def plan_cores(
+    num_prefill: int, num_decode: int, cores: list[int], prefill_tp: int = 1, decode_tp: int = 1
+) -> CpuPlan:
     """Split `cores` among the workers of one machine (see the module's docstring)."""
     assert cores, "a machine has at least one core"
+    assert prefill_tp >= 1 and decode_tp >= 1, "a worker has at least one rank"
     cores = sorted(cores)
-    num_p, num_d = _role_shares(num_prefill, num_decode, len(cores))
+    num_ranks = {"prefill": num_prefill * prefill_tp, "decode": num_decode * decode_tp}
+    num_p, num_d = _role_shares(num_ranks["prefill"], num_ranks["decode"], len(cores))
     workers: dict[str, WorkerCpu] = {}
-    for role, count, role_cores in (
-        ("prefill", num_prefill, cores[:num_p]),
-        ("decode", num_decode, cores[-num_d:]),
+    for role, count, tp, role_cores in (
+        ("prefill", num_prefill, prefill_tp, cores[:num_p]),
+        ("decode", num_decode, decode_tp, cores[-num_d:]),
     ):
-        for i, run in enumerate(_deal(role_cores, count) if count else []):
+        if not count:
+            continue
+        if count * tp <= len(role_cores):  # a run per rank: a worker's runs together are one
+            runs = _split(role_cores, count * tp)
+            runs = [sum(runs[i * tp : (i + 1) * tp], []) for i in range(count)]
+        else:  # a worker's ranks share its cores before two workers share one
+            runs = _deal(role_cores, count)
+        for i, run in enumerate(runs):
             workers[f"{role}-{i}"] = WorkerCpu(tuple(run), len(run))
-    return CpuPlan(workers, _warnings(num_prefill + num_decode, len(cores), workers))
+    num_workers = num_prefill + num_decode
+    return CpuPlan(workers, _warnings(num_workers, sum(num_ranks.values()), len(cores), workers))
 
 
-def _warnings(num_workers: int, num_cores: int, workers: dict[str, WorkerCpu]) -> list[str]:
-    if num_workers <= num_cores:
+def _warnings(
+    num_workers: int, num_ranks: int, num_cores: int, workers: dict[str, WorkerCpu]
+) -> list[str]:
+    if num_ranks <= num_cores:
         return []
-    warnings = [
-        f"{num_workers} workers on {num_cores} core{'s' * (num_cores != 1)}: "
-        "some workers share a core and slow each other down"
-    ]
+    on_cores = f"on {num_cores} core{'s' * (num_cores != 1)}"
+    if num_ranks == num_workers:
+        warnings = [f"{num_workers} workers {on_cores}: some workers share a core"]
+    else:
+        warnings = [
+            f"{num_workers} worker{'s' * (num_workers != 1)} ({num_ranks} tensor-parallel "
+            f"ranks in all) {on_cores}: some ranks share a core"
+        ]
+    warnings[0] += " and slow each other down"
     prefill = {c for name, w in workers.items() if name.startswith("prefill") for c in w.cores}
     decode = {c for name, w in workers.items() if name.startswith("decode") for c in w.cores}
     if shared := prefill & decode:

@@ -3,6 +3,7 @@
     python -m deploy.local                           # 1 P + 1 D, the built-in SmolLM2, proxy :8000
     python -m deploy.local --prefill 2 --decode 2 --model DIR -- --device cuda --num-blocks 4096
     python -m deploy.local --ask "What is the capital of France?" --exit
+    python -m deploy.local --prefill 0 --decode 1 --decode-tp 2 --mode colocated
 
 Workers listen on free ports (8100, 8101, ... and 8200, ... when those are free) on 127.0.0.1,
 share one random internal token (in their environment, not on the command line) and log to a file
@@ -14,6 +15,10 @@ that child's log. Arguments after `--` go to every worker; `--proxy-args` to the
 Workers do not share cores: the launcher splits its cores among them (deploy/cores.py) and the
 banner shows each worker's cores and torch threads; `--no-cpu-split` lets every worker take
 every core (and lets `--cpu-cores`/`--cpu-threads` after `--` apply to all of them).
+
+`--prefill-tp N`/`--decode-tp N` start those workers with `--tensor-parallel-size N`: N ranks,
+which get N workers' share of the cores (the banner warns when ranks must share cores). TP > 1
+has no P/D KV transfer yet, so it needs `--mode colocated`; other modes exit 2 (deploy/tp.py).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from deploy.cluster import (
 )
 from deploy.compose import MODES, PROXY_PORT
 from deploy.processes import STOP_SIGNALS, Child, Supervisor
+from deploy.tp import add_tp_args
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_QUESTION = "Why is the sky blue?"
@@ -237,6 +243,7 @@ def parse_args(argv: list[str] | None = None) -> LocalConfig:
     add = p.add_argument
     add("--prefill", type=int, default=1, help="prefill workers (default 1)")
     add("--decode", type=int, default=1, help="decode workers (default 1)")
+    add_tp_args(add)
     add("--model", default=None, help=f"HF-format model folder (default: {DEFAULT_MODEL})")
     add("--host", default="127.0.0.1", help="the proxy's bind address (default 127.0.0.1)")
     add("--port", type=int, default=PROXY_PORT, help="the proxy's port (8000; 0: any free one)")
@@ -260,6 +267,8 @@ def parse_args(argv: list[str] | None = None) -> LocalConfig:
         return LocalConfig(
             num_prefill=a.prefill,
             num_decode=a.decode,
+            prefill_tp=a.prefill_tp,
+            decode_tp=a.decode_tp,
             model=a.model,
             host=a.host,
             port=a.port,

@@ -4,8 +4,9 @@ Every file is validated by `docker-compose config` (Debian's docker-compose; it 
 engine, deploy/setup.sh installs it), and the invariants are checked on what compose itself
 reads back: unique ports, a /health check on every service, the proxy waiting for every worker
 service and listing it; on GPU one service per worker, a GPU of its own (none twice) among all
-the workers' GPUs, which each container sees for CUDA IPC, in the host's IPC and PID namespaces;
-on CPU one service per role that `--scale` can grow (no container name, host port or cpuset,
+the workers' GPUs, which each container sees for CUDA IPC, in the host's IPC and PID namespaces
+(a TP-N worker: N GPUs of its own and `--tensor-parallel-size N`, only in colocated mode); on
+CPU one service per role that `--scale` can grow (no container name, host port or cpuset,
 `--kv-host auto`), found by the proxy as `dns://SERVICE:PORT`. Nothing is started: no Docker
 engine here.
 """
@@ -46,6 +47,11 @@ SHAPES = {
     "cpu-1p1d-2-cores": "--prefill 1 --decode 1 --cpu --host-cores 2",
     "cpu-2p3d-2-cores-shared": "--prefill 2 --decode 3 --cpu --host-cores 2",
     "gpu-1p1d-unpinned": "--prefill 1 --decode 1 --gpus 2 --host-cores 0",
+    "gpu-colocated-tp2": "--prefill 0 --decode 2 --decode-tp 2 --mode colocated --gpus 4",
+    "gpu-colocated-mixed-tp": "--prefill 1 --decode 2 --prefill-tp 3 --decode-tp 2 "
+    "--mode colocated --gpus 8 --host-cores 16",
+    "gpu-colocated-gpus-per-worker": "--prefill 0 --decode 1 --gpus-per-worker 4 --mode colocated",
+    "cpu-colocated-tp2": "--prefill 0 --decode 2 --decode-tp 2 --cpu --mode colocated",
 }
 
 
@@ -87,6 +93,20 @@ def published_port(entry) -> str:
     return str(entry).rsplit(":", 1)[0].rsplit(":", 1)[-1]  # "[IP:]HOST:CONTAINER"
 
 
+def tp_of(args, role: str) -> int:
+    """The role's tensor-parallel size as the generator reads its flags."""
+    return getattr(args, f"{role}_tp") or args.gpus_per_worker or 1
+
+
+def check_tensor_parallel(command: list[str], args, role: str) -> None:
+    """A TP-N worker gets --tensor-parallel-size N (none at 1); N > 1 only colocated."""
+    tp = tp_of(args, role)
+    assert command.count("--tensor-parallel-size") == (tp > 1), command
+    if tp > 1:
+        assert flag(command, "--tensor-parallel-size") == str(tp)
+        assert args.mode == "colocated", "P/D KV transfer needs TP 1"
+
+
 def check_invariants(config: dict, shape: str) -> None:
     args = compose.build_parser().parse_args(shape.split())
     services = config["services"]
@@ -117,16 +137,19 @@ def check_invariants(config: dict, shape: str) -> None:
 
 
 def check_gpu_workers(workers: dict, args) -> None:
-    """One service per worker, advertising its name, on a GPU of its own (CUDA_VISIBLE_DEVICES,
-    in PCI bus order), none twice; every worker sees every worker's GPU and shares the host's
-    IPC and PID namespaces, which UCX's cuda_ipc needs to open a peer's CUDA IPC handle."""
+    """One service per worker, advertising its name, on GPUs of its own (CUDA_VISIBLE_DEVICES,
+    in PCI bus order: one per tensor-parallel rank), none twice; every worker sees every worker's
+    GPU and shares the host's IPC and PID namespaces, which UCX's cuda_ipc needs to open a
+    peer's CUDA IPC handle."""
     assert sorted(workers) == sorted(
         [f"prefill-{i}" for i in range(args.prefill)] + [f"decode-{i}" for i in range(args.decode)]
     )
-    own_gpus, every_gpu = [], [str(i) for i in range(len(workers))]
+    num_gpus = sum(tp_of(args, name.split("-")[0]) for name in workers)
+    own_gpus, every_gpu = [], [str(i) for i in range(num_gpus)]
     for name, service in workers.items():
-        command = service["command"]
-        assert command[:3] == ["python", "-m", f"{name.split('-')[0]}_server"], command
+        command, role = service["command"], name.split("-")[0]
+        assert command[:3] == ["python", "-m", f"{role}_server"], command
+        check_tensor_parallel(command, args, role)
         assert flag(command, "--kv-host") == name  # peers reach it by its service name
         assert flag(command, "--device") == "cuda"
         (device,) = service["deploy"]["resources"]["reservations"]["devices"]
@@ -134,13 +157,15 @@ def check_gpu_workers(workers: dict, args) -> None:
         assert device["device_ids"] == every_gpu, f"{name}: sees every worker's GPU"
         env = service["environment"]
         assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # as nvidia-smi and device_ids count
-        own_gpus.append(env["CUDA_VISIBLE_DEVICES"])
+        own = env["CUDA_VISIBLE_DEVICES"].split(",")
+        assert len(own) == tp_of(args, role), f"{name}: one GPU per rank, {own}"
+        own_gpus += own
         assert service["ipc"] == "host" and service["pid"] == "host", name
         assert "SYS_PTRACE" in service["cap_add"], name
         assert env["UCX_TLS"].startswith("cuda_ipc,"), name
     assert sorted(own_gpus, key=int) == every_gpu, f"a GPU is run on twice: {own_gpus}"
-    assert len(every_gpu) <= (args.gpus or len(workers))
-    check_cpusets(workers, args.host_cores)
+    assert len(every_gpu) <= (args.gpus or num_gpus)
+    check_cpusets(workers, args)
 
 
 # NOTE: each of these is one value for every replica of a service, so two replicas would collide
@@ -161,17 +186,20 @@ def check_scalable_workers(workers: dict, args) -> None:
         assert flag(command, "--host") == "0.0.0.0" and flag(command, "--device") == "cpu"
         assert not BLOCKS_SCALE & service.keys(), f"{role}: {BLOCKS_SCALE & service.keys()}"
         assert service.get("scale", 1) == counts[role]
+        check_tensor_parallel(command, args, role)
         if args.host_cores == 0:
             assert "cpus" not in service and "--cpu-threads" not in command
             continue
         assert float(service["cpus"]) == int(flag(command, "--cpu-threads")) >= 1
         cores += float(service["cpus"]) * counts[role]
-    if args.prefill + args.decode <= args.host_cores:
+    if sum(n * tp_of(args, role) for role, n in counts.items()) <= args.host_cores:
         assert cores <= args.host_cores, "the generated scale fits the host's cores"
 
 
-def check_cpusets(workers: dict, host_cores: int) -> None:
-    """Each worker's cpuset is on the host, its torch threads match it, P and D stay apart."""
+def check_cpusets(workers: dict, args) -> None:
+    """Each worker's cpuset is on the host, its torch threads match it, P and D stay apart, a
+    TP-N worker has a core per rank where the host has enough."""
+    host_cores = args.host_cores
     if host_cores == 0:
         assert all(
             "cpuset" not in s and "--cpu-threads" not in s["command"] for s in workers.values()
@@ -182,6 +210,9 @@ def check_cpusets(workers: dict, host_cores: int) -> None:
         cores[name] = parse_cpu_list(service["cpuset"])
         assert cores[name] <= set(range(host_cores)), (name, service["cpuset"])
         assert flag(service["command"], "--cpu-threads") == str(len(cores[name]))
+        num_ranks = sum(tp_of(args, n.split("-")[0]) for n in workers)
+        if num_ranks <= host_cores:
+            assert len(cores[name]) >= tp_of(args, name.split("-")[0]), (name, cores[name])
     by_role = {
         role: set().union(*(c for n, c in cores.items() if n.startswith(role)))
         for role in ("prefill", "decode")
@@ -259,7 +290,22 @@ def test_command_line_matches_the_module():
     [
         ("--prefill 2 --decode 7 --gpus 8", "9 GPUs (one each), but --gpus is 8"),
         ("--prefill 1 --decode 1 --gpus 1", "2 GPUs (one each), but --gpus is 1"),
-        ("--gpus-per-worker 2", "tensor parallelism is not supported"),
+        (
+            "--decode-tp 2",
+            "--decode-tp 2 with --mode pull: P/D KV transfer needs tensor parallelism 1 for now",
+        ),
+        ("--prefill-tp 2 --mode push", "--prefill-tp 2 with --mode push: P/D KV transfer"),
+        ("--gpus-per-worker 2", "--prefill-tp 2 and --decode-tp 2 with --mode pull: P/D KV"),
+        ("--gpus-per-worker 2 --decode-tp 2", "--gpus-per-worker N is short for --prefill-tp N"),
+        ("--prefill 0 --decode-tp 0 --mode colocated", "--decode-tp must be >= 1, got 0"),
+        (
+            "--prefill 0 --decode 2 --decode-tp 2 --mode colocated --gpus 3",
+            "2 decode workers need 4 GPUs (2 per decode worker), but --gpus is 3",
+        ),
+        (
+            "--prefill 1 --decode 1 --decode-tp 4 --mode colocated --gpus 4",
+            "need 5 GPUs (1 per prefill worker, 4 per decode worker), but --gpus is 4",
+        ),
         ("--cpu --gpus 2", "--gpus and --cpu exclude each other"),
         ("--prefill 0", "--prefill 0 only works with --mode colocated"),
         ("--decode 0", "at least one decode worker"),
@@ -271,3 +317,24 @@ def test_bad_shape_exits_2_with_a_clear_message(argv, message):
     assert result.returncode == 2
     assert result.stdout == ""
     assert re.search(re.escape(message), result.stderr), result.stderr
+
+
+def test_a_tp_worker_gets_its_own_gpus_and_a_command_the_worker_accepts():
+    """Colocated decode workers of TP 2 on 4 GPUs: GPUs 0,1 and 2,3, every container seeing all
+    four, and a command the worker's own parser takes (no KV connector: it would refuse nixl)."""
+    text = generate(SHAPES["gpu-colocated-tp2"])
+    services = yaml.safe_load(text)["services"]
+    assert flag(services["proxy"]["command"], "--mode") == "colocated"
+    for name, gpus in (("decode-0", "0,1"), ("decode-1", "2,3")):
+        service = services[name]
+        assert service["environment"]["CUDA_VISIBLE_DEVICES"] == gpus
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["device_ids"] == ["0", "1", "2", "3"]
+        engine, _ = parse_args("decode", service["command"][3:])
+        assert engine.parallel.tensor_parallel_size == 2
+        assert engine.transfer.connector is None
+    same = generate("--prefill 0 --decode 2 --gpus-per-worker 2 --mode colocated --gpus 4")
+    body = text.split("\n", 1)[1]  # after the header, which names the flags
+    assert same.split("\n", 1)[1] == body, "--gpus-per-worker N is --prefill-tp N --decode-tp N"
+    header = text.splitlines()[0].removeprefix("# Generated by: python -m deploy.compose ")
+    assert "--decode-tp 2" in header and generate(header) == text, "the header reproduces it"

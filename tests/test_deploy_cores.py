@@ -1,6 +1,9 @@
-"""The CPU plan of one machine (deploy/cores.py) and how the local launcher uses it."""
+"""The CPU plan of one machine (deploy/cores.py), tensor-parallel workers' runs of cores too, and
+how the local launcher uses it."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -69,3 +72,50 @@ def test_the_launcher_refuses_cpu_flags_for_every_worker_unless_told_not_to_spli
         LocalConfig(worker_args=("--cpu-threads", "1"))
     cfg = LocalConfig(worker_args=("--cpu-threads=1",), is_cpu_split=False)
     assert worker_command(cfg, "prefill", 8100, None)[-1] == "--cpu-threads=1"
+
+
+@pytest.mark.parametrize(
+    "num_prefill, num_decode, prefill_tp, decode_tp, num_cores",
+    [(0, 1, 1, 2, 2), (1, 1, 1, 2, 3), (1, 2, 1, 2, 6), (2, 1, 3, 4, 16), (0, 3, 1, 2, 8)],
+)
+def test_a_tp_worker_gets_a_run_of_cores_per_rank(
+    num_prefill, num_decode, prefill_tp, decode_tp, num_cores
+):
+    plan = plan_cores(num_prefill, num_decode, list(range(num_cores)), prefill_tp, decode_tp)
+    assert len(plan.workers) == num_prefill + num_decode and plan.warnings == []
+    for name, worker in plan.workers.items():
+        tp = prefill_tp if name.startswith("prefill") else decode_tp
+        assert len(worker.cores) >= tp, (name, worker)  # each rank a core of its own
+        assert worker.num_threads == len(worker.cores)
+        assert worker.cores == tuple(range(worker.cores[0], worker.cores[-1] + 1)), "one run"
+    every = [c for w in plan.workers.values() for c in w.cores]
+    assert len(every) == len(set(every)), "no two workers share a core"
+
+
+def test_a_tp_worker_counts_as_its_ranks():
+    plan = plan_cores(1, 1, list(range(6)), decode_tp=2)  # 3 ranks: 2 cores each
+    assert plan.workers["prefill-0"].cores == (0, 1)
+    assert plan.workers["decode-0"] == WorkerCpu((2, 3, 4, 5), 4)
+
+
+def test_more_ranks_than_cores_share_and_say_so():
+    plan = plan_cores(0, 1, [0, 1], decode_tp=4)
+    assert plan.workers == {"decode-0": WorkerCpu((0, 1), 2)}
+    assert plan.warnings == [
+        "1 worker (4 tensor-parallel ranks in all) on 2 cores: some ranks share a core and slow "
+        "each other down"
+    ]
+    plan = plan_cores(1, 1, [0, 1, 2], decode_tp=4)  # P and D still apart
+    assert not cores_of(plan, "prefill") & cores_of(plan, "decode")
+    assert plan.warnings[0].startswith("2 workers (5 tensor-parallel ranks in all) on 3 cores")
+
+
+def test_the_launcher_passes_a_tp_worker_its_size_and_cores():
+    cfg = LocalConfig(num_prefill=0, decode_tp=2, mode="colocated")
+    cpu = WorkerCpu((0, 1), 2)
+    cmd = worker_command(cfg, "decode", 8200, cpu)
+    assert cmd[-6:] == ["--tensor-parallel-size", "2", *cpu.worker_args()]
+    plan = cfg.cpu_plan
+    assert plan is not None and set(plan.workers) == {"decode-0"}
+    assert plan.workers["decode-0"].cores == tuple(sorted(os.sched_getaffinity(0)))  # all
+    assert "--tensor-parallel-size" not in worker_command(LocalConfig(), "decode", 8200, cpu)

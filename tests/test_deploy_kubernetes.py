@@ -6,9 +6,9 @@ JSON schemas for pinned Kubernetes versions (kubernetes-validate, strict: unknow
 Then what must hold in every render, read from the rendered objects: three probes on every
 container, each role's Service and PodDisruptionBudget selecting exactly that role's pods, the
 proxy's pools naming the headless Services (`dns://NAME:PORT`), tokens only from the Secret that
-the render holds, one GPU per worker on GPU overlays and none on CPU, a grace period longer than
-the drain, the KV host from the pod's IP; and every container's arguments, `$(VAR)`s expanded as
-the kubelet would, parse with that role's own argument parser.
+the render holds, a GPU per tensor-parallel rank on GPU (TP > 1 only colocated) and none on CPU,
+a grace period longer than the drain, the KV host from the pod's IP; and every container's
+arguments, `$(VAR)`s expanded as the kubelet would, parse with that role's own argument parser.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"
-TARGETS = ("base", "overlays/cpu", "overlays/gpu", "overlays/rdma")
-GPU_TARGETS = ("overlays/gpu", "overlays/rdma")
+TARGETS = ("base", "overlays/cpu", "overlays/gpu", "overlays/rdma", "overlays/gpu-tp2")
+GPU_TARGETS = ("overlays/gpu", "overlays/rdma", "overlays/gpu-tp2")
 # The oldest Kubernetes we claim and the newest whose schemas kubernetes-validate bundles
 K8S_VERSIONS = ("1.30.0", "1.37.0")
 WORKER_ROLES = ("prefill", "decode")
@@ -136,6 +136,10 @@ def flag(args: list[str], name: str) -> str:
     return value
 
 
+def tp_size(container: dict) -> int:
+    return int((flag_values(container["args"], "--tensor-parallel-size") or ["1"])[0])
+
+
 def env(container: dict, name: str) -> dict:
     (var,) = [v for v in container.get("env", []) if v["name"] == name]
     return var
@@ -224,11 +228,8 @@ def test_each_role_service_selects_exactly_its_pods(r):
         deployment = r.deployment(role)
         assert selects(deployment["spec"]["selector"]["matchLabels"], pod_labels(deployment))
         service = r.named("Service", f"pdserve-{role}")
-        selected = [
-            d["metadata"]["name"]
-            for d in r.of_kind("Deployment")
-            if selects(service["spec"]["selector"], pod_labels(d))
-        ]
+        selector, deployments = service["spec"]["selector"], r.of_kind("Deployment")
+        selected = [d["metadata"]["name"] for d in deployments if selects(selector, pod_labels(d))]
         assert selected == [deployment["metadata"]["name"]], (r.target, role, selected)
         is_headless = service["spec"].get("clusterIP") == "None"
         assert is_headless == (role != "proxy"), (r.target, role)
@@ -243,12 +244,8 @@ def test_each_role_has_one_disruption_budget(r):
         labels = pod_labels(r.deployment(role))
         covering = [b for b in budgets if selects(b["spec"]["selector"]["matchLabels"], labels)]
         assert len(covering) == 1, (r.target, role)
-        selected = [
-            d
-            for d in r.of_kind("Deployment")
-            if selects(covering[0]["spec"]["selector"]["matchLabels"], pod_labels(d))
-        ]
-        assert len(selected) == 1, (r.target, role)
+        selector = covering[0]["spec"]["selector"]["matchLabels"]
+        assert sum(selects(selector, pod_labels(d)) for d in r.of_kind("Deployment")) == 1, role
     assert r.named("PodDisruptionBudget", "pdserve-proxy")["spec"]["minAvailable"] >= 1
 
 
@@ -284,13 +281,13 @@ def test_tokens_come_from_the_secret_in_the_render(r):
     assert values == {"PDSERVE_INTERNAL_TOKEN": TOKEN, "PDSERVE_API_KEY": API_KEY}
 
 
-def test_one_gpu_per_worker_on_gpu_and_none_on_cpu(r):
+def test_a_gpu_per_rank_on_gpu_and_none_on_cpu(r):
     for role in ROLES:
         container = r.container(role)
         resources = container["resources"]
         gpus = {kind: resources.get(kind, {}).get(GPU) for kind in ("requests", "limits")}
-        if r.is_gpu and role != "proxy":
-            assert str(gpus["limits"]) == "1", (r.target, role, gpus)
+        if r.is_gpu and role != "proxy":  # a TP-N worker: N GPUs, its ranks' cuda:0..N-1
+            assert str(gpus["limits"]) == str(tp_size(container)), (r.target, role, gpus)
             assert gpus["requests"] in (None, gpus["limits"]), (r.target, role, gpus)
             assert flag(container["args"], "--device") == "cuda"
         else:
@@ -314,11 +311,24 @@ def test_the_servers_accept_their_arguments(r):
         assert engine.transfer.advertise_host == POD_IP and server.host == "0.0.0.0"
         assert server.cpu.num_threads == cpu_cores(container["resources"]["limits"]["cpu"])
         assert engine.model.device == ("cuda" if r.is_gpu else "cpu"), (r.target, role)
+        assert engine.parallel.tensor_parallel_size == tp_size(container), (r.target, role)
     proxy = r.container("proxy")
     assert proxy["command"] == ["python", "-m", "proxy"]
     cfg = parse_proxy_args(expand(proxy))
-    assert (cfg.host, cfg.port, cfg.mode) == ("0.0.0.0", 8000, "pull")
+    mode = "colocated" if r.target == "overlays/gpu-tp2" else "pull"
+    assert (cfg.host, cfg.port, cfg.mode) == ("0.0.0.0", 8000, mode)
     assert len(cfg.prefill) == len(cfg.decode) == 1
+
+
+def test_a_tp_worker_serves_only_colocated(r):  # no P/D KV transfer at TP > 1 yet
+    sizes = {role: tp_size(r.container(role)) for role in WORKER_ROLES}
+    mode = flag(r.container("proxy")["args"], "--mode")
+    assert mode == "colocated" or set(sizes.values()) == {1}, (r.target, mode, sizes)
+    if r.target == "overlays/gpu-tp2":  # the example: TP 2 decode pods alone, NCCL's /dev/shm
+        assert sizes["decode"] == 2 and r.deployment("prefill")["spec"]["replicas"] == 0
+        mounts = {m["mountPath"]: m["name"] for m in r.container("decode")["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod_spec(r.deployment("decode"))["volumes"]}
+        assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
 
 
 def test_the_grace_period_outlasts_the_drain(r):

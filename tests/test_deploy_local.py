@@ -2,7 +2,8 @@
 on the tiny model. A request goes through the proxy; SIGTERM or a Ctrl-C stops everything and no
 process the launcher started outlives it; a worker that cannot start ends the launcher with status
 1 and its log's tail (again leaving nothing behind); `--ask --exit` answers and exits 0; a taken
-port is refused before anything starts."""
+port is refused before anything starts. A tensor-parallel decode worker serves colocated with its
+ranks on the cores the banner shows; TP > 1 in a P/D mode exits 2 before anything starts."""
 
 from __future__ import annotations
 
@@ -217,6 +218,73 @@ def test_a_taken_port_is_refused_before_anything_starts(launch):
     assert f"port {port} is taken" in launcher.err_path.read_text()
     assert "--port 0" in launcher.err_path.read_text()
     assert launcher.children() == {}
+
+
+def test_a_tp_decode_worker_serves_colocated_on_its_cores(launch, tiny_model):
+    args = ["--model", str(tiny_model("llama")), "--prefill", "0", "--decode-tp", "2"]
+    launcher = launch(*args, "--mode", "colocated", "--", *WORKER_ARGS, "--enforce-eager")
+    url = launcher.wait_for(r"^ready: (http://\S+)").group(1)
+    assert "0 prefill + 1 decode (TP 2 each), mode colocated" in launcher.output()
+    children = launcher.children()
+    assert set(children) == {"proxy", "decode-0"}, launcher.output()
+    body = {"prompt": "Hello, my name is", "max_tokens": 4, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    decode_pid = children["decode-0"][1]
+    ranks = [p for p in descendants(decode_pid) if "common.parallel.rank" in cmdline(p)]
+    assert len(ranks) == 1, "rank 1 runs beside the worker, which is rank 0"
+    cores = sorted(os.sched_getaffinity(0))
+    cpu = launcher.cpu_columns()["decode-0"]
+    assert cpu.split()[1].rstrip(",") == cpus_allowed(decode_pid)  # the banner is the truth
+    assert len(parse_cpu_list(cpus_allowed(decode_pid))) == len(cores), "alone: every core"
+    launcher.seen.update(descendants(launcher.proc.pid))
+    launcher.proc.send_signal(signal.SIGTERM)
+    assert launcher.wait() == 0, launcher.output()
+    assert launcher.survivors() == [], launcher.output()
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--decode-tp", "2"], "--decode-tp 2 with --mode pull: P/D KV transfer needs tensor "),
+        (["--prefill-tp", "2", "--mode", "push"], "--prefill-tp 2 with --mode push: P/D KV "),
+        (["--", "-tp", "2"], "the launcher sets the workers' --port, --internal-token and "),
+    ],
+    ids=["decode-tp-pull", "prefill-tp-push", "tp-after-dashes"],
+)
+def test_tp_outside_colocated_mode_exits_2_before_anything_starts(launch, args, message):
+    launcher = launch(*args)
+    assert launcher.wait() == 2, launcher.output()
+    err = launcher.err_path.read_text()
+    assert message in err, err
+    assert "--mode colocated" in err or "--decode-tp N" in err, err
+    assert launcher.children() == {} and launcher.out_path.read_text() == ""
+
+
+def test_a_tp_worker_gets_a_command_its_parser_accepts():
+    """The plan-level view: --decode-tp 2 reaches the worker as --tensor-parallel-size 2 with
+    its cores, and the worker's own parser takes the whole command (no KV connector at TP 2)."""
+    from common.api.cli import parse_args as parse_worker_args
+    from deploy.cluster import banner, worker_command
+    from deploy.local import parse_args
+
+    cfg = parse_args(["--prefill", "0", "--decode-tp", "2", "--mode", "colocated"])
+    assert (cfg.prefill_tp, cfg.decode_tp, cfg.num_prefill) == (1, 2, 0)
+    cpu = cfg.cpu_plan.workers["decode-0"]
+    cmd = worker_command(cfg, "decode", 8200, cpu)
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
+    engine, server = parse_worker_args("decode", cmd[3:])
+    assert engine.parallel.tensor_parallel_size == 2 and engine.transfer.connector is None
+    assert engine.parallel.pin_ranks and server.cpu.num_threads == len(cpu.cores)
+    assert banner(cfg, []).startswith("pdserve local cluster: 0 prefill + 1 decode (TP 2 each)")
+    assert "--tensor-parallel-size" not in worker_command(parse_args([]), "decode", 8200, cpu)
 
 
 STUBBORN = """
