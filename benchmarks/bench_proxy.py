@@ -111,14 +111,14 @@ def run_wrk(wrk: str, url: str, concurrency: int, duration: float, script: Path)
     seconds = max(1, round(duration))
     cmd = [wrk, "-t1", f"-c{concurrency}", f"-d{seconds}s", "--latency", "-s", str(script), url]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    if re.search(r"99%\s+[\d.]+(us|ms|s|m)\b", out) is None:
+    if re.search(r"^\s*99%\s+[\d.]+(us|ms|s|m)\b", out, re.M) is None:
         sys.exit(f"wrk against {url} gave no latencies:\n{out}")
     errors = sum(int(n) for n in re.findall(r"(?:Non-2xx or 3xx responses|timeout) (\d+)", out))
     errors += sum(int(n) for n in re.findall(r"(?:connect|read|write) (\d+)", out))
     return {
         "rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out)[1]),
-        "p50_ms": _ms(re.search(r"50%\s+(\S+)", out)[1]),
-        "p99_ms": _ms(re.search(r"99%\s+(\S+)", out)[1]),
+        "p50_ms": _ms(re.search(r"^\s*50%\s+(\S+)", out, re.M)[1]),  # not a "90.50%" of Stdev
+        "p99_ms": _ms(re.search(r"^\s*99%\s+(\S+)", out, re.M)[1]),
         "errors": errors,
     }
 
@@ -129,7 +129,9 @@ def _median(rows: list[dict]) -> dict:
 
 
 def _ms(text: str) -> float:
-    value, unit = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text).groups()
+    match = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text)
+    assert match, f"not a wrk latency: {text!r}"
+    value, unit = match.groups()
     return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3}[unit]
 
 
