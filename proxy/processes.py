@@ -10,10 +10,11 @@ its siblings' private URLs, a random peer token) in its environment.
 What stays per process, and what that costs (docs/design.md, "Proxy processes"): health checks
 (N times the probes), outstanding counts (least-outstanding sees its own requests), prefix
 tables, rate buckets and the concurrency queue (a limit holds per process). Admin changes are
-applied where they land and sent on to every sibling; `/metrics` merges the siblings' answers
-(proxy/siblings.py). The parent forwards SIGTERM/SIGINT to every child (each drains as a single
-proxy does) and exits when all have; a child that dies is started again on the same sockets
-(connections queued on its socket wait for it), unless children keep dying.
+applied where they land and sent on to every sibling, and a child started again takes its
+siblings' view of the workers; `/metrics` merges the siblings' answers (proxy/siblings.py). The
+parent forwards SIGTERM/SIGINT to every child (each drains as a single proxy does) and exits when
+all have; a child that dies is started again on the same sockets (connections queued on its
+socket wait for it), unless children keep dying.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class ProcessInfo:
     private_fd: int
     siblings: tuple[str, ...]  # every child's private URL, its own included (by index)
     token: str  # proves a call came from a sibling: no fan-out again, local metrics only
+    restarted: bool = False  # started again after dying: catches up on its siblings' changes
 
     @classmethod
     def from_env(cls) -> ProcessInfo | None:
@@ -59,7 +61,9 @@ class ProcessInfo:
         if not raw:
             return None
         d = json.loads(raw)
-        return cls(d["index"], d["public_fd"], d["private_fd"], tuple(d["siblings"]), d["token"])
+        siblings = tuple(d["siblings"])
+        restarted = d.get("restarted", False)
+        return cls(d["index"], d["public_fd"], d["private_fd"], siblings, d["token"], restarted)
 
     @property
     def count(self) -> int:
@@ -124,7 +128,7 @@ class Supervisor:
         self.stopping = False
         self.failed = False  # children kept dying: the exit status says so
 
-    def start(self, index: int) -> None:
+    def start(self, index: int, restarted: bool = False) -> None:
         public, private = self.public[index], self.private[index]
         info = {
             "index": index,
@@ -132,6 +136,7 @@ class Supervisor:
             "private_fd": private.fileno(),
             "siblings": self.siblings,
             "token": self.token,
+            "restarted": restarted,
         }
         env = {**os.environ, ENV: json.dumps(info)}
         cmd = [sys.executable, "-m", "proxy", *self.argv]
@@ -176,7 +181,7 @@ class Supervisor:
             self.stop(signal.SIGTERM)
             return
         logger.warning("proxy process %d exited with %d: starting it again", index, code)
-        self.start(index)
+        self.start(index, restarted=True)
 
 
 def _stop_with_parent() -> None:

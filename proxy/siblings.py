@@ -1,5 +1,6 @@
 """What one proxy process (of `--workers N`, proxy/processes.py) asks of the others: to apply an
-admin change it received, and their metrics for a merged `/metrics`.
+admin change it received, their workers when it was started again, and their metrics for a
+merged `/metrics`.
 
 Calls go to each sibling's private loopback address and carry the peer token
 (`X-Pdserve-Peer`): a sibling applies such an admin change without sending it on, and answers
@@ -57,6 +58,19 @@ class Siblings:
         if r.status_code != 200:
             logger.warning("admin change refused by sibling %s: %s", url, r.text)
         return r.status_code == 200
+
+    async def workers(self, headers: dict) -> list[dict] | None:
+        """The first answering sibling's `GET /admin/workers` list; None if none answered."""
+        for url in self.info.others:
+            try:
+                r = await self._client.get(url + "/admin/workers", headers=headers)
+            except httpx.HTTPError as e:
+                logger.warning("no worker list from sibling %s: %r", url, e)
+                continue
+            if r.status_code == 200:
+                return r.json()["workers"]
+            logger.warning("no worker list from sibling %s: %s", url, r.text)
+        return None
 
     async def metrics(self) -> list[str]:
         """The siblings' own metrics (one that does not answer is left out, and logged)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 
 from fastapi import Request
@@ -28,6 +29,8 @@ from proxy.processes import ProcessInfo
 from proxy.siblings import Siblings
 from proxy.upstream import make_client
 from proxy.workers import ROLES, Worker, WorkerPool, normalize_url
+
+logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.05  # how often a removed or retiring worker's running requests are counted
 
@@ -115,6 +118,8 @@ class Proxy:
         for role in ROLES:
             for url in self.cfg.static_urls(role):
                 self.add_worker(role, url)
+        if self.siblings is not None and self.siblings.info.restarted:
+            await self._catch_up()
         await asyncio.gather(*(d.refresh() for d in self.discoveries))
         await self.health.check_all()  # /ready is true from the first moment it can be
         self.health.start()
@@ -123,6 +128,25 @@ class Proxy:
             self.kv_events.start()
         for discovery in self.discoveries:
             discovery.start()
+
+    async def _catch_up(self) -> None:
+        """A process started again takes the admin changes its siblings applied before (workers
+        added, drained, removed); workers found by DNS it finds itself."""
+        key = self.cfg.effective_admin_key
+        if key is None:  # no admin routes: nothing can have changed
+            return
+        view = await self.siblings.workers({"authorization": f"Bearer {key}"})
+        if view is None:
+            logger.warning("no sibling answered: serving the configured workers")
+            return
+        theirs = {w["url"]: w for w in view if w["source"] in ("static", "admin")}
+        for worker in self.members("prefill", "static") + self.members("decode", "static"):
+            if worker.url not in theirs:
+                self.remove_worker(worker)
+        for url, w in theirs.items():
+            worker = self.find_worker(url) or self.add_worker(w["role"], url, w["source"])
+            worker.is_draining = w["draining"]
+        logger.info("caught up with a sibling: %d workers", len(theirs))
 
     async def stop(self) -> None:
         await asyncio.gather(*(d.stop() for d in self.discoveries))

@@ -129,6 +129,35 @@ def test_an_admin_change_reaches_every_process(tmp_path, stubs):
         assert proxy.stop() == 0
 
 
+def test_a_process_started_again_takes_its_siblings_workers(tmp_path, stubs):
+    """Admin changes live in the processes that applied them: one killed and started again
+    asks a sibling for its workers instead of serving the command line's."""
+    proxy = start_proxy(tmp_path, stubs)
+    other = stubs.url_of("127.0.0.2")
+    try:
+        add = {"role": "decode", "url": other}
+        r = httpx.post(f"{proxy.url}/admin/workers", json=add, headers=ADMIN, timeout=10)
+        assert r.status_code == 200 and r.json()["processes"] == 2
+        gone = {"url": stubs.url}  # a worker from the command line, removed
+        r = httpx.post(f"{proxy.url}/admin/workers/remove", json=gone, headers=ADMIN, timeout=10)
+        assert r.status_code == 200 and r.json()["processes"] == 2
+        old = {i: body["process"]["pid"] for i, body in processes_seen(proxy).items()}
+        os.kill(old[1], signal.SIGKILL)
+
+        def restarted() -> bool:
+            pids = {i: body["process"]["pid"] for i, body in processes_seen(proxy).items()}
+            return pids[1] != old[1]
+
+        assert wait_until(restarted, timeout=30)
+        for body in processes_seen(proxy, "/admin/workers", headers=ADMIN).values():
+            assert [(w["url"], w["source"]) for w in body["workers"]] == [(other, "admin")]
+        served = stubs.served("127.0.0.1")
+        assert all(complete(proxy).status_code == 200 for _ in range(12))
+        assert stubs.served("127.0.0.1") == served  # neither process routes to it again
+    finally:
+        assert proxy.stop() == 0
+
+
 def test_sigterm_drains_every_process_and_a_killed_one_comes_back(tmp_path, stubs):
     proxy = start_proxy(tmp_path, stubs)
     pids = {i: body["process"]["pid"] for i, body in processes_seen(proxy).items()}
