@@ -2,11 +2,15 @@
 
 Two prefill workers and one decode worker (the built-in SmolLM2-135M-Instruct unless --model,
 fp32, one torch thread each, not pinned: the three share this box's cores), each publishing its
-KV events, and two proxies in front of the same three workers:
+KV events, and four proxies in front of the same three workers:
 
     round_robin   --prefill-policy round_robin --no-kv-routing: no events, no render
     kv_aware      --prefill-policy prefix: by the blocks each P holds, per its KV events
                   (token ids rendered by a worker; proxy/kv_routing.py)
+    kv_aware_x1   the same in one process (--workers 1; the others run 2): what a
+                  per-process index and per-process load counts cost
+    hash_prefix   --prefill-policy prefix --no-kv-routing: the hash fallback (consistent
+                  hashing of the prompt's start, bounded by each process's own load counts)
 
 Both run with `--cached-on-decode-tokens 0`, so that every request is prefilled on a P: what is
 compared is the choice of P alone. Workload: `--groups` groups of `--per-group` text completions;
@@ -48,10 +52,13 @@ from benchmarks.serving.config import BenchConfig
 from benchmarks.serving.datasets import SampleRequest
 from benchmarks.serving.runner import LoadConfig
 
-POLICIES = {
-    "round_robin": ["--prefill-policy", "round_robin", "--no-kv-routing"],
-    "kv_aware": ["--prefill-policy", "prefix"],
+POLICIES = {  # each proxy runs 2 processes (--workers 2) but kv_aware_x1, which runs one
+    "round_robin": ["--prefill-policy", "round_robin", "--no-kv-routing", "--workers", "2"],
+    "kv_aware": ["--prefill-policy", "prefix", "--workers", "2"],
+    "kv_aware_x1": ["--prefill-policy", "prefix", "--workers", "1"],
+    "hash_prefix": ["--prefill-policy", "prefix", "--no-kv-routing", "--workers", "2"],
 }
+KV_AWARE = ("kv_aware", "kv_aware_x1")
 SYLLABLES = (
     "ka", "lo", "mi", "ren", "tas", "vor", "quin", "del", "sa", "pe",
     "mar", "on", "tul", "bri", "zen", "ax", "os", "lu", "fi", "dar",
@@ -108,10 +115,11 @@ def start_cluster(procs: Processes, study: Study) -> tuple[dict[str, str], str]:
         wait_ok(f"{proxy}/ready", procs)
     indexed = 'pdserve_proxy_kv_index_blocks{role="prefill"'
     deadline = time.monotonic() + 30
-    while scrape_text(proxies["kv_aware"]).count(indexed) < 2:  # subscribed to both P
-        if time.monotonic() > deadline:
-            sys.exit("the kv_aware proxy did not subscribe to both prefill workers' KV events")
-        time.sleep(0.2)
+    for policy in KV_AWARE:
+        while scrape_text(proxies[policy]).count(indexed) < 2:  # subscribed to both P
+            if time.monotonic() > deadline:
+                sys.exit(f"the {policy} proxy did not subscribe to both prefill workers' events")
+            time.sleep(0.2)
     return proxies, url["decode"]
 
 
