@@ -206,3 +206,42 @@ def _free_port() -> int:
     from tests.servers import free_port
 
     return free_port()
+
+
+def test_lean_transport_hands_over_what_arrived_together_and_never_waits_for_more():
+    """Events that arrive in one read reach the relay as one piece (one send to the client,
+    not one per event); a lone event is handed over at once, before the next one is sent."""
+
+    async def scenario():
+        sent_alone = asyncio.Event()
+        burst = b"".join(
+            b"%x\r\ndata: %d\n\n\r\n" % (len(b"data: %d\n\n" % i), i) for i in range(16)
+        )
+
+        async def respond(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+            writer.write(head + burst)  # 16 chunked-encoding chunks in one write
+            await writer.drain()
+            await sent_alone.wait()  # the client must have the burst before the last event
+            writer.write(b"%x\r\ndata: last\n\n\r\n0\r\n\r\n" % len(b"data: last\n\n"))
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(respond, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = httpx.AsyncClient(transport=LeanTransport(), base_url=f"http://127.0.0.1:{port}")
+        pieces = []
+        try:
+            async with client.stream("GET", "/") as r:
+                async for piece in r.aiter_raw():
+                    pieces.append(piece)
+                    sent_alone.set()
+        finally:
+            await client.aclose()
+            server.close()
+        events = b"".join(b"data: %d\n\n" % i for i in range(16))
+        assert b"".join(pieces) == events + b"data: last\n\n"
+        assert pieces[0] == events and pieces[-1] == b"data: last\n\n"  # 16 as one, then 1
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
