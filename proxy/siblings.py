@@ -6,8 +6,9 @@ Calls go to each sibling's private loopback address and carry the peer token
 (`X-Pdserve-Peer`): a sibling applies such an admin change without sending it on, and answers
 such a `/metrics` with its own numbers only. Merging sums counters and histograms (every process
 counts its own requests) and gauges of amounts (requests in flight, queue depth); the gauges that
-are a process's view of the pools (`pdserve_proxy_workers`, `pdserve_proxy_discovered_workers`)
-take the largest value any process reports.
+are a process's view of the pools (`pdserve_proxy_workers`, `pdserve_proxy_discovered_workers`,
+and `pdserve_proxy_kv_index_blocks`: each process subscribes to every worker's KV events) take
+the largest value any process reports.
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ from prometheus_client.samples import Sample
 from proxy.processes import ProcessInfo
 
 PEER_HEADER = "x-pdserve-peer"
-VIEW_GAUGES = {"pdserve_proxy_workers", "pdserve_proxy_discovered_workers"}
+VIEW_GAUGES = {  # each process holds its own view of the same thing: the largest, not the sum
+    "pdserve_proxy_workers",
+    "pdserve_proxy_discovered_workers",
+    "pdserve_proxy_kv_index_blocks",  # every process indexes every worker's KV events
+}
 TIMEOUT_S = 5.0
 ADMIN_TIMEOUT_S = 30.0  # an admin change waits for a sibling that is still starting
 

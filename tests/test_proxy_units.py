@@ -245,3 +245,30 @@ def test_lean_transport_hands_over_what_arrived_together_and_never_waits_for_mor
         assert pieces[0] == events and pieces[-1] == b"data: last\n\n"  # 16 as one, then 1
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_merged_metrics_sum_amounts_and_take_the_largest_view():
+    """`--workers N`: counts and amounts in flight add up over processes; a process's view of
+    the pools and of the KV index (each process subscribes to every worker) does not."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from proxy.siblings import merge_metrics
+
+    def text(index_blocks: int, outstanding: int, requests: int, workers: int) -> str:
+        return (
+            "# TYPE pdserve_proxy_kv_index_blocks gauge\n"
+            f'pdserve_proxy_kv_index_blocks{{role="prefill",url="http://p:1"}} {index_blocks}\n'
+            "# TYPE pdserve_proxy_outstanding gauge\n"
+            f'pdserve_proxy_outstanding{{role="decode"}} {outstanding}\n'
+            "# TYPE pdserve_proxy_workers gauge\n"
+            f'pdserve_proxy_workers{{role="decode",state="healthy"}} {workers}\n'
+            "# TYPE pdserve_proxy_requests_total counter\n"
+            f'pdserve_proxy_requests_total{{status="200"}} {requests}\n'
+        )
+
+    merged = merge_metrics([text(40, 3, 5, 2), text(38, 2, 7, 2)]).decode()
+    values = {s.name: s.value for f in text_string_to_metric_families(merged) for s in f.samples}
+    assert values["pdserve_proxy_kv_index_blocks"] == 40  # not 78: the same index, twice
+    assert values["pdserve_proxy_workers"] == 2
+    assert values["pdserve_proxy_outstanding"] == 5
+    assert values["pdserve_proxy_requests_total"] == 12
