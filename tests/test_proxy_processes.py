@@ -60,6 +60,13 @@ def processes_seen(proxy: ServerProcess, path: str = "/ready", **kw) -> dict[int
     return seen
 
 
+def admin_everywhere(proxy: ServerProcess, path: str, body: dict, headers=ADMIN) -> None:
+    """An admin change through the public port: applied by the process it reached and by the
+    other one (`"processes": 2`)."""
+    r = httpx.post(f"{proxy.url}/admin/workers{path}", json=body, headers=headers, timeout=10)
+    assert r.status_code == 200 and r.json()["processes"] == 2, r.text
+
+
 def test_connections_spread_and_metrics_count_every_process(tmp_path, stubs):
     proxy = start_proxy(tmp_path, stubs)
     try:
@@ -96,8 +103,7 @@ def test_an_admin_change_reaches_every_process(tmp_path, stubs):
     other = stubs.url_of("127.0.0.2")
     try:
         add = {"role": "decode", "url": other}
-        r = httpx.post(f"{proxy.url}/admin/workers", json=add, headers=ADMIN, timeout=10)
-        assert r.status_code == 200 and r.json()["processes"] == 2
+        admin_everywhere(proxy, "", add)
 
         def states(body: dict) -> dict[str, tuple[bool, bool]]:
             return {w["url"]: (w["healthy"], w["draining"]) for w in body["workers"]}
@@ -112,19 +118,16 @@ def test_an_admin_change_reaches_every_process(tmp_path, stubs):
         assert stubs.served("127.0.0.2") > served  # both processes route to it
 
         drain = {"url": other}
-        r = httpx.post(f"{proxy.url}/admin/workers/drain", json=drain, headers=ADMIN, timeout=10)
-        assert r.status_code == 200 and r.json()["processes"] == 2
+        admin_everywhere(proxy, "/drain", drain)
         assert everywhere({stubs.url: (True, False), other: (True, True)})
         served = stubs.served("127.0.0.2")
         assert all(complete(proxy).status_code == 200 for _ in range(12))
         assert stubs.served("127.0.0.2") == served  # no process sends it anything new
 
-        r = httpx.post(f"{proxy.url}/admin/workers/remove", json=drain, headers=ADMIN, timeout=10)
-        assert r.status_code == 200 and r.json()["processes"] == 2
+        admin_everywhere(proxy, "/remove", drain)
         assert everywhere({stubs.url: (True, False)})
         forged = {**ADMIN, "X-Pdserve-Peer": "guess"}  # not a sibling: the change goes on
-        r = httpx.post(f"{proxy.url}/admin/workers", json=add, headers=forged, timeout=10)
-        assert r.status_code == 200 and r.json()["processes"] == 2
+        admin_everywhere(proxy, "", add, forged)
     finally:
         assert proxy.stop() == 0
 
@@ -136,11 +139,9 @@ def test_a_process_started_again_takes_its_siblings_workers(tmp_path, stubs):
     other = stubs.url_of("127.0.0.2")
     try:
         add = {"role": "decode", "url": other}
-        r = httpx.post(f"{proxy.url}/admin/workers", json=add, headers=ADMIN, timeout=10)
-        assert r.status_code == 200 and r.json()["processes"] == 2
+        admin_everywhere(proxy, "", add)
         gone = {"url": stubs.url}  # a worker from the command line, removed
-        r = httpx.post(f"{proxy.url}/admin/workers/remove", json=gone, headers=ADMIN, timeout=10)
-        assert r.status_code == 200 and r.json()["processes"] == 2
+        admin_everywhere(proxy, "/remove", gone)
         old = {i: body["process"]["pid"] for i, body in processes_seen(proxy).items()}
         os.kill(old[1], signal.SIGKILL)
 
