@@ -181,10 +181,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         tp = self.parallel.tensor_parallel_size
-        if tp > 1 and self.transfer.connector is not None:
+        cuda = torch.device(self.model.device).type == "cuda"
+        if tp > 1 and cuda and self.transfer.connector is not None:
             raise ValueError(
-                f"P/D KV transfer (kv_connector {self.transfer.connector}) needs "
-                f"tensor_parallel_size 1, got {tp}: moving head-sliced KV between "
-                "tensor-parallel workers is not implemented yet; use kv_connector none "
-                "(colocated serving)"
+                f"P/D KV transfer (kv_connector {self.transfer.connector}) on CUDA needs "
+                f"tensor_parallel_size 1, got {tp}: each rank's KV is in its own GPU's memory, "
+                "which one NIXL agent cannot register (a NIXL agent per rank is not built yet); "
+                "use kv_connector none (colocated serving), or TP > 1 on CPU"
             )

@@ -20,7 +20,7 @@ from pathlib import Path
 from deploy.compose import BASE_PORTS, MODES, PROXY_PORT
 from deploy.cores import CpuPlan, WorkerCpu, plan_cores
 from deploy.processes import Child, Supervisor
-from deploy.tp import check_tensor_parallel, tp_args
+from deploy.tp import check_tensor_parallel, is_cuda, tp_args
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct (built-in)"
 WORKER_HOST = "127.0.0.1"
@@ -56,7 +56,7 @@ class LocalConfig:
             raise ValueError(f"--prefill 0 only works with --mode colocated, not {self.mode}")
         if self.mode not in MODES:
             raise ValueError(f"--mode must be one of {MODES}, got {self.mode!r}")
-        check_tensor_parallel(self.mode, self.tp)
+        check_tensor_parallel(self.mode, self.tp, is_cuda(self.worker_args))
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.model is not None and not Path(self.model).is_dir():

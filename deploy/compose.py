@@ -17,9 +17,10 @@ where UCX falls back to tcp without a word. docs/deploy.md has the sources; each
 Tensor parallelism (`--prefill-tp N`, `--decode-tp N`; `--gpus-per-worker N` is short for both):
 a TP-N worker runs `--tensor-parallel-size N` on N GPUs of its own, consecutive ones, which its
 CUDA_VISIBLE_DEVICES lists (`2,3`; its ranks take cuda:0..N-1 of them); device_ids still lists
-every worker's GPUs, and --gpus must cover N per worker. A TP-N worker has no P/D KV transfer
-yet (its --kv-connector defaults to none), so TP > 1 needs `--mode colocated`; other modes exit
-2 (deploy/tp.py) rather than write a file whose workers refuse to start.
+every worker's GPUs, and --gpus must cover N per worker. A TP-N GPU worker has no P/D KV
+transfer yet (its --kv-connector defaults to none), so TP > 1 on GPUs needs `--mode colocated`;
+other modes exit 2 (deploy/tp.py) rather than write a file whose workers refuse to start. With
+`--cpu`, P and D may run at any TP sizes.
 
 CPU: one service per role, `prefill` on 8100 and `decode` on 8200, with `scale: N` for N > 1,
 so that `docker-compose up --scale decode=3` adds replicas without a new file: nothing pins a
@@ -115,7 +116,7 @@ class Shape:
             raise ValueError(f"--prefill 0 only works with --mode colocated, not {self.mode}")
         if max(self.num_prefill, self.num_decode) > MAX_WORKERS_PER_ROLE:
             raise ValueError(f"at most {MAX_WORKERS_PER_ROLE} workers of each role per node")
-        check_tensor_parallel(self.mode, self.tp)
+        check_tensor_parallel(self.mode, self.tp, not self.is_cpu)
         if self.is_cpu and self.num_gpus is not None:
             raise ValueError("--gpus and --cpu exclude each other")
         if not self.is_cpu and self.num_gpus is not None and self.num_gpus < self.num_ranks:

@@ -19,7 +19,7 @@ class RecordingConnector(KVConnector):
         self.calls: list[tuple[str, str]] = []
         self.registered: dict = {}
 
-    def register_kv_caches(self, kv_caches):
+    def register_kv_caches(self, kv_caches, shards=None):
         self.registered = kv_caches
 
     def start_load_kv(self, ctx):

@@ -52,6 +52,7 @@ SHAPES = {
     "--mode colocated --gpus 8 --host-cores 16",
     "gpu-colocated-gpus-per-worker": "--prefill 0 --decode 1 --gpus-per-worker 4 --mode colocated",
     "cpu-colocated-tp2": "--prefill 0 --decode 2 --decode-tp 2 --cpu --mode colocated",
+    "cpu-pull-mixed-tp": "--prefill 1 --decode 1 --prefill-tp 2 --cpu",  # KV between TP sizes
 }
 
 
@@ -99,12 +100,12 @@ def tp_of(args, role: str) -> int:
 
 
 def check_tensor_parallel(command: list[str], args, role: str) -> None:
-    """A TP-N worker gets --tensor-parallel-size N (none at 1); N > 1 only colocated."""
+    """A TP-N worker gets --tensor-parallel-size N (none at 1); N > 1 on GPUs only colocated."""
     tp = tp_of(args, role)
     assert command.count("--tensor-parallel-size") == (tp > 1), command
     if tp > 1:
         assert flag(command, "--tensor-parallel-size") == str(tp)
-        assert args.mode == "colocated", "P/D KV transfer needs TP 1"
+        assert args.mode == "colocated" or args.cpu, "P/D KV transfer on GPUs needs TP 1"
 
 
 def check_invariants(config: dict, shape: str) -> None:
@@ -292,10 +293,11 @@ def test_command_line_matches_the_module():
         ("--prefill 1 --decode 1 --gpus 1", "2 GPUs (one each), but --gpus is 1"),
         (
             "--decode-tp 2",
-            "--decode-tp 2 with --mode pull: P/D KV transfer needs tensor parallelism 1 for now",
+            "--decode-tp 2 with --mode pull on GPUs: P/D KV transfer between CUDA workers needs "
+            "tensor parallelism 1 for now",
         ),
-        ("--prefill-tp 2 --mode push", "--prefill-tp 2 with --mode push: P/D KV transfer"),
-        ("--gpus-per-worker 2", "--prefill-tp 2 and --decode-tp 2 with --mode pull: P/D KV"),
+        ("--prefill-tp 2 --mode push", "--prefill-tp 2 with --mode push on GPUs: P/D KV"),
+        ("--gpus-per-worker 2", "--prefill-tp 2 and --decode-tp 2 with --mode pull on GPUs"),
         ("--gpus-per-worker 2 --decode-tp 2", "--gpus-per-worker N is short for --prefill-tp N"),
         ("--prefill 0 --decode-tp 0 --mode colocated", "--decode-tp must be >= 1, got 0"),
         (

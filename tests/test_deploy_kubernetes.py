@@ -320,7 +320,7 @@ def test_the_servers_accept_their_arguments(r):
     assert len(cfg.prefill) == len(cfg.decode) == 1
 
 
-def test_a_tp_worker_serves_only_colocated(r):  # no P/D KV transfer at TP > 1 yet
+def test_a_tp_worker_serves_only_colocated(r):  # GPU: no P/D KV transfer at TP > 1 yet
     sizes = {role: tp_size(r.container(role)) for role in WORKER_ROLES}
     mode = flag(r.container("proxy")["args"], "--mode")
     assert mode == "colocated" or set(sizes.values()) == {1}, (r.target, mode, sizes)

@@ -243,6 +243,28 @@ def test_a_tp_decode_worker_serves_colocated_on_its_cores(launch, tiny_model):
     assert launcher.survivors() == [], launcher.output()
 
 
+def test_a_tp2_prefill_worker_hands_its_kv_to_a_tp1_decode_worker(launch, tiny_model):
+    """P at TP 2, D at TP 1 on CPU (KV moves between TP sizes): the proxy's answer was decoded
+    from P's KV, and P's rank 1 runs beside it."""
+    args = ["--model", str(tiny_model("llama")), "--prefill-tp", "2"]
+    launcher = launch(*args, "--", *WORKER_ARGS, "--enforce-eager")
+    url = launcher.wait_for(r"^ready: (http://\S+)").group(1)
+    assert "1 prefill (TP 2 each) + 1 decode, mode pull" in launcher.output()
+    body = {"prompt": "Hello, my name is", "max_tokens": 4, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    rows = {m.group(1): m.group(2) for m in ROW.finditer(launcher.output())}
+    metrics = httpx.get(f"{rows['decode-0']}/metrics", timeout=10).text
+    assert 'pdserve_kv_loaded_requests_total{mode="pull"} 1.0' in metrics, metrics[-2000:]
+    prefill_pid = launcher.children()["prefill-0"][1]
+    ranks = [p for p in descendants(prefill_pid) if "common.parallel.rank" in cmdline(p)]
+    assert len(ranks) == 1, "P's rank 1 runs beside it"
+    launcher.seen.update(descendants(launcher.proc.pid))
+    launcher.proc.send_signal(signal.SIGTERM)
+    assert launcher.wait() == 0, launcher.output()
+    assert launcher.survivors() == [], launcher.output()
+
+
 def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -253,13 +275,19 @@ def cmdline(pid: int) -> str:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--decode-tp", "2"], "--decode-tp 2 with --mode pull: P/D KV transfer needs tensor "),
-        (["--prefill-tp", "2", "--mode", "push"], "--prefill-tp 2 with --mode push: P/D KV "),
+        (
+            ["--decode-tp", "2", "--", "--device", "cuda"],
+            "--decode-tp 2 with --mode pull on GPUs: P/D KV transfer between CUDA workers needs",
+        ),
+        (
+            ["--prefill-tp", "2", "--mode", "push", "--", "--device=cuda:0"],
+            "--prefill-tp 2 with --mode push on GPUs: P/D KV ",
+        ),
         (["--", "-tp", "2"], "the launcher sets the workers' --port, --internal-token and "),
     ],
-    ids=["decode-tp-pull", "prefill-tp-push", "tp-after-dashes"],
+    ids=["decode-tp-pull-gpu", "prefill-tp-push-gpu", "tp-after-dashes"],
 )
-def test_tp_outside_colocated_mode_exits_2_before_anything_starts(launch, args, message):
+def test_gpu_tp_outside_colocated_mode_exits_2_before_anything_starts(launch, args, message):
     launcher = launch(*args)
     assert launcher.wait() == 2, launcher.output()
     err = launcher.err_path.read_text()
@@ -270,7 +298,7 @@ def test_tp_outside_colocated_mode_exits_2_before_anything_starts(launch, args, 
 
 def test_a_tp_worker_gets_a_command_its_parser_accepts():
     """The plan-level view: --decode-tp 2 reaches the worker as --tensor-parallel-size 2 with
-    its cores, and the worker's own parser takes the whole command (no KV connector at TP 2)."""
+    its cores, and the worker's own parser takes the whole command (nixl on CPU at TP 2 too)."""
     from common.api.cli import parse_args as parse_worker_args
     from deploy.cluster import banner, worker_command
     from deploy.local import parse_args
@@ -281,7 +309,7 @@ def test_a_tp_worker_gets_a_command_its_parser_accepts():
     cmd = worker_command(cfg, "decode", 8200, cpu)
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
     engine, server = parse_worker_args("decode", cmd[3:])
-    assert engine.parallel.tensor_parallel_size == 2 and engine.transfer.connector is None
+    assert engine.parallel.tensor_parallel_size == 2 and engine.transfer.connector == "nixl"
     assert engine.parallel.pin_ranks and server.cpu.num_threads == len(cpu.cores)
     assert banner(cfg, []).startswith("pdserve local cluster: 0 prefill + 1 decode (TP 2 each)")
     assert "--tensor-parallel-size" not in worker_command(parse_args([]), "decode", 8200, cpu)

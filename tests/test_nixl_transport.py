@@ -68,7 +68,8 @@ def test_read_lands_exactly(local, local_blocks, remote_blocks):
         assert block_bytes(kv, layer, local_blocks) == block_bytes(expected, layer, remote_blocks)
     # one descriptor per K/V per run consecutive on both sides (NIXL posts no per-block work)
     assert results[0].num_descriptors == 2 * count_runs(local_blocks, remote_blocks)
-    assert results[0].num_bytes == 2 * len(local_blocks) * transport.layout.block_len
+    layout = transport.layout
+    assert results[0].num_bytes == 2 * len(local_blocks) * layout.block_len(layout.shards[0])
 
 
 def count_runs(local_blocks: list[int], remote_blocks: list[int]) -> int:
@@ -88,7 +89,9 @@ def test_runs_are_one_descriptor_pair(local):
 def test_a_layout_outside_the_peers_memory_is_refused_at_handshake(local, peers):
     transport, _ = local
     layout, metadata = peers["dies"].hello()
-    lying = {**layout, "engine_id": "liar", "base_addrs": [a + 2**40 for a in layout["base_addrs"]]}
+    (shard,) = layout["shards"]
+    moved = {**shard, "base_addrs": [a + 2**40 for a in shard["base_addrs"]]}
+    lying = {**layout, "engine_id": "liar", "shards": [moved]}
     with pytest.raises(Exception, match="(?i)not.?found"):
         transport.add_peer(KVLayout.from_dict(lying), metadata)
     assert not transport.has_peer("liar")
@@ -140,7 +143,7 @@ def test_idle_transport_does_not_burn_a_core(local):
 def test_layout_round_trips_through_json(local):
     layout = local[0].layout
     assert KVLayout.from_dict(json.loads(json.dumps(layout.to_dict()))) == layout
-    assert layout.num_layers == NUM_LAYERS and layout.block_len == 16 * 2 * 16 * 2
+    assert layout.num_layers == NUM_LAYERS and layout.block_len(layout.shards[0]) == 16 * 2 * 16 * 2
     assert layout.mem_type == "DRAM"
 
 

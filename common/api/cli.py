@@ -153,7 +153,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="split the model over N ranks (Megatron-style: heads, MLP columns, vocabulary): "
         "rank 0 is this process, ranks 1..N-1 are processes it starts, one per GPU (cuda:r) or "
-        "per share of the CPU budget; no P/D KV transfer at N > 1 (default 1)",
+        "per share of the CPU budget; on CPU its KV moves to and from workers of any TP size; on "
+        "CUDA no P/D KV transfer at N > 1 yet (default 1)",
     )
 
 
@@ -220,9 +221,9 @@ def _add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
         "--kv-connector",
         default=None,
         choices=["nixl", "none"],
-        help="how KV moves between prefill and decode workers (default nixl, and none with "
-        "--tensor-parallel-size > 1, where transfer is not implemented yet; none: colocated "
-        "serving only)",
+        help="how KV moves between prefill and decode workers (default nixl, and none for a "
+        "CUDA worker with --tensor-parallel-size > 1, where transfer is not built yet; none: "
+        "colocated serving only)",
     )
     add(
         "--kv-host",
@@ -313,10 +314,12 @@ def _add_cpu_budget(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _connector(name: str | None, tensor_parallel_size: int) -> str | None:
-    """--kv-connector, defaulted: nixl at TP 1, none above (config.py refuses nixl there)."""
+def _connector(name: str | None, tensor_parallel_size: int, device: str) -> str | None:
+    """--kv-connector, defaulted: nixl, but none for a CUDA worker at TP > 1 (config.py refuses
+    nixl there)."""
     if name is None:
-        name = "nixl" if tensor_parallel_size == 1 else "none"
+        cuda_tp = tensor_parallel_size > 1 and not device.startswith("cpu")
+        name = "none" if cuda_tp else "nixl"
     return None if name == "none" else name
 
 
@@ -341,7 +344,7 @@ def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, 
                 enable_prefix_caching=not a.no_prefix_caching,
             ),
             transfer=TransferConfig(
-                connector=_connector(a.kv_connector, a.tensor_parallel_size),
+                connector=_connector(a.kv_connector, a.tensor_parallel_size, a.device),
                 advertise_host=resolve_kv_host(a.kv_host, a.host),
                 advertise_port=a.port,
                 lease_timeout=a.kv_lease_timeout,

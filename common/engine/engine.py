@@ -4,7 +4,7 @@
 
 With `tensor_parallel_size` N > 1 the engine is rank 0 of N (common/parallel/): one shard of the
 model and KV cache, ranks 1..N-1 as processes fed each step's plan; scheduling, blocks and
-sampling stay here. No P/D KV transfer at N > 1 (config.py refuses a connector).
+sampling stay here; so does the KV connector, to which every rank's KV is shared (kv_shards.py).
 
 A request with `n > 1` fans out into n child sequences (`<id>#<i>`); its outputs come back
 under the parent id with each child's index. With prefix caching on, the first child prefills
@@ -77,7 +77,10 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}: raise num_blocks / kv_cache_memory or lower "
                 "max_model_len"
             )
-        self.ranks = self.tp and start_ranks(config, dtype, self.max_model_len, self.num_blocks)
+        share = self.arch if connector or config.transfer.connector else None  # KV moves
+        self.ranks = self.tp and start_ranks(
+            config, dtype, self.max_model_len, self.num_blocks, share
+        )
         self.model = load_model(model_dir, dtype, self.device, self.max_model_len, self.tp)
         backend = select_backend(
             self.device, dtype, cc.block_size, mc.attention_backend, not mc.enforce_eager
@@ -103,6 +106,7 @@ class LLMEngine:
             self.connector,
             enforce_eager=mc.enforce_eager,
             plans=plans,
+            kv_shards=self.ranks and self.ranks.kv_shards(self.kv_caches),
         )
         self._ready: list[Request] = []  # finished outside a step, reported by the next one
         self._awaiting: list[tuple[Request, float]] = []  # pushed KV still arriving; deadline
@@ -335,16 +339,9 @@ class LLMEngine:
             parent_id, index = self._children[req.request_id]
             parent = self._parents[parent_id]
             completion.index = index
+            head = (parent_id, parent.prompt, parent.prompt_token_ids, [], False)
             out = by_parent.setdefault(
-                parent_id,
-                RequestOutput(
-                    parent_id,
-                    parent.prompt,
-                    parent.prompt_token_ids,
-                    [],
-                    False,
-                    parent.children[0].num_cached_tokens,
-                ),
+                parent_id, RequestOutput(*head, parent.children[0].num_cached_tokens)
             )
             out.outputs.append(completion)
         for parent_id, out in by_parent.items():

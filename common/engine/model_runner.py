@@ -47,6 +47,7 @@ class ModelRunner:
         connector: KVConnector | None = None,
         enforce_eager: bool = True,
         plans: PlanChannel | None = None,
+        kv_shards: list | None = None,
     ):
         self.model = model
         self.plans = plans
@@ -58,7 +59,7 @@ class ModelRunner:
         self.device = device
         self.connector = connector
         if connector is not None:
-            connector.register_kv_caches(self.kv_caches)
+            connector.register_kv_caches(self.kv_caches, kv_shards)
         self.compile_seconds = 0.0 if enforce_eager else self.warm_up()
 
     @torch.inference_mode()
@@ -104,14 +105,16 @@ class ModelRunner:
 
     def _execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, SampledToken]:
         batch = self.prepare(scheduled)
-        if self.plans is not None:
-            meta, rows = batch.attn_metadata, batch.logits_indices
-            self.plans.send(StepPlan(batch.input_ids, batch.positions, meta, rows))
         ctx = ForwardContext(batch.attn_metadata, self.layers, self.kv_caches, self.connector)
         transfers = self.connector is not None and self.connector.has_connector_metadata()
         with forward_context(ctx):
             if transfers:
                 self.connector.start_load_kv(ctx)
+            if self.plans is not None:
+                if transfers:  # the other ranks' heads land before they run
+                    self.connector.wait_for_all_loads()
+                meta, rows = batch.attn_metadata, batch.logits_indices
+                self.plans.send(StepPlan(batch.input_ids, batch.positions, meta, rows))
             hidden = self.forward(batch.input_ids, batch.positions)
             if transfers:
                 self.connector.wait_for_save()

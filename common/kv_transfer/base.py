@@ -4,12 +4,14 @@ Worker side (runs inside the model forward, called by `maybe_transfer_kv_layer`)
 - `bind_connector_metadata(meta)` / `clear_connector_metadata()`: the per-step plan, set by the
   model runner around each forward; `has_connector_metadata()` tells the decorator whether this
   step transfers anything at all.
-- `register_kv_caches(kv_caches)`: the paged KV tensors, once, before the first step.
+- `register_kv_caches(kv_caches, shards)`: the paged KV tensors, once, before the first step
+  (`shards`: at TP > 1, every rank's, as layout.ShardTensors).
 - `start_load_kv(ctx)`: start every read planned for this step, before the first layer runs.
 - `wait_for_layer_load(layer_name)`: block until this layer's KV has landed (decode side).
 - `save_kv_layer(layer_name, kv_cache, attn_metadata)`: start sending this layer's KV (prefill
   side); must not block the forward on the transfer.
 - `wait_for_save()`: after the forward, until every send of this step is under way or done.
+- `wait_for_all_loads()`: at TP > 1, before the step's plan reaches the other ranks.
 
 Scheduler side (the engine calls these between steps, on the same thread):
 - `num_external_tokens(request, num_local_cached)`: how many of the request's tokens come from
@@ -72,8 +74,10 @@ class KVConnector(ABC):
         return self._metadata
 
     # -- worker side ---------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:  # noqa: B027
-        """Called once with every layer's paged KV tensor."""
+    def register_kv_caches(  # noqa: B027
+        self, kv_caches: dict[str, torch.Tensor], shards: list | None = None
+    ) -> None:
+        """Called once with every layer's paged KV tensor (and every rank's, at TP > 1)."""
 
     @abstractmethod
     def start_load_kv(self, ctx: ForwardContext) -> None: ...
@@ -88,6 +92,9 @@ class KVConnector(ABC):
 
     @abstractmethod
     def wait_for_save(self) -> None: ...
+
+    def wait_for_all_loads(self) -> None:  # noqa: B027
+        """Every read of this step has landed or failed (TP > 1: before the plan is sent)."""
 
     # -- scheduler side ----------------------------------------------------------------------
     def num_external_tokens(self, request: Any, num_local_cached: int) -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-PROTOCOL_VERSION = 2  # 2: push notifications per chunk (reservations.py)
+PROTOCOL_VERSION = 3  # 2: push notifications per chunk (reservations.py); 3: TP shards
 
 
 class HandshakeInfo(BaseModel):

@@ -39,12 +39,12 @@ from common.config import TransferConfig
 from common.kv_transfer.base import KVConnector, KVLoss
 from common.kv_transfer.checksum import mismatch, request_checksums
 from common.kv_transfer.holds import TransferHolds
-from common.kv_transfer.leases import LeaseTable, local_deadline, wall_deadline
+from common.kv_transfer.leases import LeaseTable, wall_deadline
 from common.kv_transfer.params import RemotePrefill, push_target, wants_remote_decode
 from common.kv_transfer.push import PushTable
 from common.kv_transfer.reservations import PUSHED, Reservation, ReservationTable, push_notif
 from common.kv_transfer.step import LoadPlan, StepMeta
-from common.kv_transfer.transfers import DescriptorHistogram
+from common.kv_transfer.transfers import DescriptorHistogram, fenced, kv_written_event, submit
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,9 @@ class NixlConnector(KVConnector):
         self.holds = TransferHolds(pool)
         self.pushes = PushTable(self.holds, block_size)  # P
         self.transport = None
-        self.kv_caches: list = []
+        self.kv_caches: list = []  # per layer: its shards holding each head once (checksums)
+        self.tp_size = 1
+        self._unwritten: int | None = None  # TP push: the layer whose WRITEs wait (save_kv_layer)
         self.layer_index: dict[str, int] = {}
         self.stats = TransferStats()
         self._plans: dict[str, LoadPlan] = {}
@@ -83,12 +85,16 @@ class NixlConnector(KVConnector):
         self._failed: dict[str, KVLoss] = {}  # request id → why its load failed
 
     # -- set-up and peers -----------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict) -> None:
+    def register_kv_caches(self, kv_caches: dict, shards: list | None = None) -> None:
+        from common.kv_transfer.layout import ShardTensors, distinct_heads
         from common.kv_transfer.nixl_transport import NixlTransport
 
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
-        self.kv_caches = list(kv_caches.values())
-        self.transport = NixlTransport(self.cfg.engine_id, list(kv_caches.values()))
+        shards = shards or [ShardTensors(0, list(kv_caches.values()))]
+        self.tp_size = len(shards)
+        distinct = distinct_heads(shards)
+        self.kv_caches = [[s.kv_caches[layer] for s in distinct] for layer in range(len(kv_caches))]
+        self.transport = NixlTransport(self.cfg.engine_id, shards)
         self.reservations = ReservationTable(self.pool, len(kv_caches), self.cfg.lease_timeout)
 
     def add_peer(self, layout: dict, metadata: bytes) -> None:
@@ -228,13 +234,13 @@ class NixlConnector(KVConnector):
             if not plan.blocks:  # a full local prefix hit: nothing to read
                 continue
             plan.group = self.holds.hold(plan.blocks)
-            future = _submit(
+            future = submit(
                 self.transport.read_layers,
                 plan.remote.remote_engine_id,
                 range(len(self.layer_index)),
                 plan.local_blocks,
                 plan.remote_blocks,
-                deadline=_fenced(deadline, plan.remote.read_by),
+                deadline=fenced(deadline, plan.remote.read_by),
             )
             plan.group.futures.append(future)
             for layer in range(len(self.layer_index)):
@@ -285,28 +291,48 @@ class NixlConnector(KVConnector):
         return None
 
     def save_kv_layer(self, layer_name, kv_cache, attn_metadata) -> None:
-        """P, push mode: WRITE this layer's chunk on the transfer thread; return at once."""
+        """P, push mode: WRITE this layer's chunk on the transfer thread; return at once.
+
+        At TP > 1 the other ranks write their heads of a layer in their own processes: they
+        have, once this layer's o_proj all-reduce has returned here, so a layer's WRITEs are
+        posted when the next layer's attention is done (the last one's in `wait_for_save`)."""
         pushes = self.connector_metadata.pushes
         if not pushes:
             return
         layer = self.layer_index[layer_name]
+        if self.tp_size > 1:
+            previous, self._unwritten = self._unwritten, layer
+            if previous is not None:
+                self._write_layer(pushes, previous, None)
+            return
+        self._write_layer(pushes, layer, kv_written_event(kv_cache))
+
+    def _write_layer(self, pushes: list, layer: int, ready) -> None:
         deadline = time.monotonic() + self.cfg.load_timeout
-        ready = _kv_written_event(kv_cache)
         for plan in pushes:
-            future = _submit(
+            future = submit(
                 self.transport.write_layer,
                 plan.target.engine_id,
                 layer,
                 plan.local_blocks,
                 plan.remote_blocks,
                 notif=push_notif(plan.target.reservation_id, layer, plan.chunk, plan.is_final),
-                deadline=_fenced(deadline, plan.target.write_by),
+                deadline=fenced(deadline, plan.target.write_by),
                 ready=ready,
             )
             self.pushes.add_write(plan, future)
 
+    def wait_for_all_loads(self) -> None:
+        """D at TP > 1: every layer's reads landed (or failed) before the step's plan goes to
+        the other ranks, whose forward reads their heads with no wait of its own."""
+        for layer_name in self.layer_index:
+            self.wait_for_layer_load(layer_name)
+
     def wait_for_save(self) -> None:
         """Loads are done (the forward waited for each layer); pushes go on without us."""
+        if self._unwritten is not None:  # TP > 1: the last layer, every rank past it
+            self._write_layer(self.connector_metadata.pushes, self._unwritten, None)
+            self._unwritten = None
         for plan in self.connector_metadata.loads:
             self.stats.num_loads += 1
             self.stats.num_failed += plan.failed
@@ -358,32 +384,3 @@ class NixlConnector(KVConnector):
                 remote.remote_engine_id,
                 e,
             )
-
-
-def _fenced(deadline: float, peer_deadline: float | None) -> float:
-    """The earlier of a local deadline and a peer's wall-clock one (its lease or reservation):
-    a transfer never runs past the time the peer may reuse the blocks."""
-    return deadline if peer_deadline is None else min(deadline, local_deadline(peer_deadline))
-
-
-def _kv_written_event(kv_cache):
-    """On CUDA, an event after the kernels that wrote this layer's KV: the transfer thread
-    waits for it before a WRITE reads the blocks. None on CPU (writes are synchronous)."""
-    if not kv_cache.is_cuda:
-        return None
-    import torch
-
-    event = torch.cuda.Event()
-    event.record()
-    return event
-
-
-def _submit(transfer, *args, **kwargs) -> Future:
-    """Start a transfer; one refused at once (an unknown peer, a closed transport) becomes a
-    failed Future, handled like one that failed on the wire."""
-    try:
-        return transfer(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 — reported through the Future
-        future: Future = Future()
-        future.set_exception(e)
-        return future

@@ -2,10 +2,13 @@
 
 Contract
 - `NixlTransport(engine_id, kv_caches)` registers every layer's paged KV tensor, each contiguous
-  with shape (2, num_blocks, block_size, num_kv_heads, head_dim), once.
+  with shape (2, num_blocks, block_size, num_kv_heads, head_dim), once. A tensor-parallel
+  worker passes every rank's tensors (`ShardTensors`: the heads each rank holds), so one agent
+  moves the KV of all its ranks.
 - A transfer is one descriptor per run of blocks that are consecutive on both sides, per K/V
   (layout.py `runs`): a request whose blocks are contiguous here and there moves each layer as
-  2 descriptors, built in O(runs) — no per-block work at posting (docs/benchmarks.md).
+  2 descriptors, built in O(runs) — no per-block work at posting (docs/benchmarks.md). Between
+  different TP sizes a shard's heads move token by token (layout.py `transfer_descs`).
 - A peer is added from its `KVLayout` and its `metadata()`, both sent over any side channel;
   adding a known one again is a no-op; a layout that the peer's registered memory does not
   cover is refused then, not at its first transfer. A retired peer (a restarted worker's old
@@ -48,7 +51,14 @@ from typing import Any
 
 import torch
 
-from common.kv_transfer.layout import KVLayout, check_kv_caches, registration_regions, runs
+from common.kv_transfer.layout import (
+    KVLayout,
+    ShardTensors,
+    as_shards,
+    registration_regions,
+    runs,
+    transfer_descs,
+)
 from common.kv_transfer.nixl_agent import create_agent
 from common.kv_transfer.peers import Peer, stale_peers
 from common.kv_transfer.transfers import (
@@ -76,20 +86,21 @@ class NixlTransport:
     def __init__(
         self,
         engine_id: str,
-        kv_caches: Sequence[torch.Tensor],
+        kv_caches: Sequence[torch.Tensor] | Sequence[ShardTensors],
         progress_delay_us: int = 1000,
         peer_idle_s: float = 300.0,
         max_peers: int = 64,
+        num_kv_heads: int | None = None,
     ) -> None:
         self.peer_idle_s = peer_idle_s
         self.max_peers = max_peers
-        check_kv_caches(kv_caches)
         agent_name = f"{engine_id}-{uuid.uuid4().hex[:8]}"
+        self.layout = KVLayout.of(engine_id, agent_name, kv_caches, num_kv_heads)
         self._agent = create_agent(agent_name, progress_delay_us)
-        self.layout = KVLayout.of(engine_id, agent_name, kv_caches)
-        self._kv_caches = list(kv_caches)  # registered memory must outlive the agent's use of it
+        # registered memory must outlive the agent's use of it
+        self._kv_caches = [t for shard in as_shards(kv_caches) for t in shard.kv_caches]
         device = self.layout.device_id
-        regions = [(addr, size, device, "") for addr, size in registration_regions(kv_caches)]
+        regions = [(addr, size, device, "") for addr, size in registration_regions(self._kv_caches)]
         self._registered = self._agent.register_memory(regions, self.layout.mem_type)
         self._peers: dict[str, Peer] = {}  # written only on the transfer thread
         self._inflight: list[TransferJob] = []  # transfer thread only
@@ -106,11 +117,7 @@ class NixlTransport:
 
     def add_peer(self, layout: KVLayout, metadata: bytes) -> None:
         """Load a peer's agent metadata (a no-op for a known one); then sweep stale peers."""
-        if (layout.num_layers, layout.block_len) != (self.layout.num_layers, self.layout.block_len):
-            raise ValueError(
-                f"peer {layout.engine_id} has {layout.num_layers} layers of {layout.block_len}-byte"
-                f" blocks; we have {self.layout.num_layers} of {self.layout.block_len}"
-            )
+        self.layout.check_peer(layout)
         self._call(lambda: self._add_peer(layout, metadata))
 
     def remove_peer(self, engine_id: str) -> None:
@@ -208,9 +215,10 @@ class NixlTransport:
     def _submit(self, op, peer, layers, local_blocks, remote_blocks, notif, deadline, ready=None):
         start = time.perf_counter()
         block_runs = runs(local_blocks, remote_blocks)
-        local = self.layout.run_descs(layers, block_runs, 0)  # row i here is row i there
-        remote = self._peer(peer).layout.run_descs(layers, block_runs, 1)
-        num_bytes = 2 * len(local_blocks) * len(layers) * self.layout.block_len
+        local, remote = transfer_descs(  # row i here is row i there
+            self.layout, self._peer(peer).layout, layers, block_runs, dest_is_local=op == "READ"
+        )
+        num_bytes = int(local[:, 1].sum())
         job = TransferJob(op, peer, local, remote, notif, deadline, num_bytes, ready)
         job.post_s = time.perf_counter() - start
         self._enqueue(job)

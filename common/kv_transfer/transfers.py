@@ -1,7 +1,9 @@
 """What one KV transfer is, and how it ends: the job the transfer thread carries
 (`TransferJob`), the Future the caller holds (`TransferFuture`: done, failed, and *settled*
 once its memory is no longer touched), its result and its error. The thread that moves the
-bytes is common/kv_transfer/nixl_transport.py.
+bytes is common/kv_transfer/nixl_transport.py. Also what a connector starts one with: `submit`
+(a refusal becomes a failed Future), `fenced` (the deadline a peer's lease or reservation
+allows) and `kv_written_event` (what a WRITE of CUDA memory waits for).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from common.kv_transfer.leases import local_deadline
 
 logger = logging.getLogger(__name__)
 
@@ -124,3 +128,32 @@ def as_transfer_error(job: TransferJob, exc: Exception) -> Exception:
     error = TransferError(f"{job.op} with {job.peer} failed: {exc!r}")
     error.__cause__ = exc
     return error
+
+
+def fenced(deadline: float, peer_deadline: float | None) -> float:
+    """The earlier of a local deadline and a peer's wall-clock one (its lease or reservation):
+    a transfer never runs past the time the peer may reuse the blocks."""
+    return deadline if peer_deadline is None else min(deadline, local_deadline(peer_deadline))
+
+
+def kv_written_event(kv_cache):
+    """On CUDA, an event after the kernels that wrote this layer's KV: the transfer thread
+    waits for it before a WRITE reads the blocks. None on CPU (writes are synchronous)."""
+    if not kv_cache.is_cuda:
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def submit(transfer, *args, **kwargs) -> Future:
+    """Start a transfer; one refused at once (an unknown peer, a closed transport) becomes a
+    failed Future, handled like one that failed on the wire."""
+    try:
+        return transfer(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 — reported through the Future
+        future: Future = Future()
+        future.set_exception(e)
+        return future

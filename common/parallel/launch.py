@@ -6,7 +6,8 @@ thread. Each takes its share of the CPU budget (`common.cpu.split_budget`: its t
 and with `pin_ranks` (the worker's --cpu-cores) its run of the cores; on CUDA it owns cuda:r),
 loads its shard of the weights, allocates its shard of the KV cache, and serves steps until it
 is told to stop. Rank 0 is the engine: its thread takes the first share (the event loop and
-tokenizer threads keep the process's mask).
+tokenizer threads keep the process's mask). A worker that moves KV over NIXL shares every
+rank's KV cache with rank 0 (kv_shards.py).
 
 Fail closed, never hang: a rank that exits while loading fails the engine's start-up with its
 exit status. A rank that exits later fails whatever collective rank 0 is in at once (its
@@ -36,7 +37,10 @@ import torch.distributed as dist
 
 from common.config import EngineConfig
 from common.cpu import available_cores, split_budget
+from common.kv_transfer.layout import ShardTensors
+from common.model.hf_config import ArchConfig
 from common.parallel.group import TPGroup
+from common.parallel.kv_shards import SharedKVShards
 from common.parallel.plan import PlanChannel
 
 logger = logging.getLogger(__name__)
@@ -69,6 +73,7 @@ class RankSpec:
     timeout: float
     parent_pid: int
     log_level: int
+    kv_fd: int = -1  # its KV shard's shared file, made by rank 0 (kv_shards.py); -1: its own
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -79,9 +84,11 @@ class RankSpec:
 
 
 class RankProcesses:
-    def __init__(self, spec: RankSpec, timeout: float):
+    def __init__(self, spec: RankSpec, timeout: float, shared: SharedKVShards | None = None):
         """Start ranks 1..size-1 like `spec` (rank 0's); give the calling thread rank 0's share
-        of the CPU budget (given back by `stop`)."""
+        of the CPU budget (given back by `stop`). With `shared`, each rank's KV cache is its
+        shard there."""
+        self.shared = shared
         self.timeout = timeout
         self.store = dist.TCPStore(
             "127.0.0.1",
@@ -104,6 +111,7 @@ class RankProcesses:
                 store_port=self.store.port,
                 cores=sorted(cores),
                 num_threads=threads,
+                kv_fd=shared.fds[rank] if shared else -1,
             )
             self.procs[rank] = _spawn(own)
         self._thread_id = threading.get_native_id()
@@ -134,7 +142,13 @@ class RankProcesses:
                     raise TimeoutError(f"tensor-parallel rank {rank} not ready in {self.timeout} s")
                 time.sleep(0.02)
         group.connect(self.store, self.timeout)
+        if self.shared:
+            self.shared.close_files()  # every rank has mapped its shard
         return PlanChannel(group, group.device, block_size)
+
+    def kv_shards(self, kv_caches: list[torch.Tensor]) -> list[ShardTensors] | None:
+        """Every rank's KV tensors, rank 0's being `kv_caches`; None unless shared."""
+        return self.shared and [ShardTensors(0, kv_caches), *self.shared.shards]
 
     def watch(self, on_death: Callable[[RankDiedError], None]) -> None:
         """Call `on_death` (from a watcher thread) when a rank exits before `stop`."""
@@ -175,9 +189,14 @@ class RankProcesses:
 
 
 def start_ranks(
-    config: EngineConfig, dtype: torch.dtype, max_model_len: int, num_blocks: int
+    config: EngineConfig,
+    dtype: torch.dtype,
+    max_model_len: int,
+    num_blocks: int,
+    share_kv_of: ArchConfig | None = None,
 ) -> RankProcesses:
-    """Start the ranks of an engine (rank 0) built from `config`."""
+    """Start the ranks of an engine (rank 0) built from `config`; with `share_kv_of` (the
+    model's architecture), their KV caches are shared with rank 0 (kv_shards.py)."""
     mc = config.model
     spec = RankSpec(
         rank=0,
@@ -198,11 +217,15 @@ def start_ranks(
         parent_pid=os.getpid(),
         log_level=logging.getLogger().getEffectiveLevel(),
     )
-    return RankProcesses(spec, config.parallel.tp_timeout)
+    shared = share_kv_of and SharedKVShards(
+        share_kv_of, spec.size, num_blocks, spec.block_size, dtype
+    )
+    return RankProcesses(spec, config.parallel.tp_timeout, shared)
 
 
 def _spawn(spec: RankSpec) -> subprocess.Popen:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "common.parallel.rank", spec.to_json()]
-    return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+    fds = [spec.kv_fd] if spec.kv_fd >= 0 else []
+    return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, pass_fds=fds)

@@ -28,6 +28,7 @@ from common.engine.compiled import CompiledModel
 from common.kv_cache.tensors import allocate_kv_caches
 from common.model.loader import load_model
 from common.parallel.group import TPGroup
+from common.parallel.kv_shards import map_shard, shard_shape
 from common.parallel.launch import RankSpec
 from common.parallel.plan import PlanChannel
 from common.parallel.shard import TPShard
@@ -60,7 +61,14 @@ def serve(spec: RankSpec) -> None:
     layers = model.attention_layers()
     for layer in layers.values():
         layer.backend = backend
-    kv_caches = allocate_kv_caches(model.config, spec.num_blocks, spec.block_size, dtype, device)
+    if spec.kv_fd >= 0:  # rank 0 moves this rank's KV over NIXL: its shard is shared with it
+        shape = shard_shape(model.config, spec.num_blocks, spec.block_size)
+        kv_caches = map_shard(spec.kv_fd, shape, dtype)
+        os.close(spec.kv_fd)
+    else:
+        kv_caches = allocate_kv_caches(
+            model.config, spec.num_blocks, spec.block_size, dtype, device
+        )
     forward = CompiledModel(model, device, dtype) if compiled else model
     if compiled:
         backend.warm_up(kv_caches, model.config.num_heads)
