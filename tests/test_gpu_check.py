@@ -64,5 +64,10 @@ def test_cpu_run_passes_pull_and_push_with_kv_transferred(tmp_path):
     assert ordering["sequential"]["kv_moved"]["checksum_failures"] == 0
     assert ordering["burst_push"]["errors"] == {}
 
+    tp = parts["tp"]  # TP 2 over gloo: the same greedy tokens as TP 1; tok/s of both
+    assert tp["status"] == "passed" and tp["mismatched_prompts"] == [] and tp["num_prompts"] > 0
+    assert all(tp["speed"][k]["rows"][0]["decode_tok_s"] > 0 for k in ("tp1", "tp2"))
+    assert tp["speed"]["tp2"]["collectives"]["all_reduce"]["calls"] > 0
+
     for name in ("flash", "speed"):
         assert parts[name]["status"] == "skipped" and parts[name]["reason"]

@@ -12,10 +12,12 @@ Parts (each bounded, the whole under ~8 minutes on one GPU including model prepa
 - kv_transport: P and D in two processes on two GPUs, one each through CUDA_VISIBLE_DEVICES as
   in docker-compose: pull and push equal colocated, the UCX transport each side reports is
   cuda_ipc (not tcp), and the GB/s (tests/gpu/pd_transport.py); skipped under two GPUs;
-- speed: SmolLM2 bf16 decode tokens/s at batch 1 and 32 (eager), figures only.
+- speed: SmolLM2 bf16 decode tokens/s at batch 1 and 32 (eager), figures only;
+- tp: SmolLM2 split over two GPUs: the greedy tokens of TP 1 in fp32, and bf16 decode tokens/s
+  at TP 1 and 2 with the all-reduce time (tests/gpu/tp.py); skipped under two GPUs.
 A JSON summary goes to stdout (and to --out); progress goes to stderr.
-`--device cpu` runs pd and ordering on a tiny random model in fp32 with the torch backend: it
-checks the script, not the GPU. Exit code: 0 passed, 1 a part failed, 2 needs CUDA.
+`--device cpu` runs pd, ordering and tp on a tiny random model in fp32 with the torch backend:
+it checks the script, not the GPU. Exit code: 0 passed, 1 a part failed, 2 needs CUDA.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch  # noqa: E402
 from tests.gpu.engines import EngineSpec  # noqa: E402
 from tests.gpu.pd import burst_push, compare, engine_pair  # noqa: E402
 
-PARTS = ("flash", "pd", "ordering", "transfer", "kv_transport", "speed")
+PARTS = ("flash", "pd", "ordering", "transfer", "kv_transport", "speed", "tp")
 NEEDS_CUDA = """\
 tests.gpu.check needs CUDA: torch {torch} sees no GPU here.
 On a CUDA machine, set up as tests/gpu/README.md says, then from the repo root:
@@ -60,6 +62,7 @@ class Plan:
     burst_lens: tuple[int, ...]
     sleep_cycles: int  # GPU sleep queued before each attention call on P (0: none)
     transport_lens: tuple[int, ...] = ()  # kv_transport: the last one long, for GB/s
+    tp_speed: tuple = ("bfloat16", (1, 32), 128, 128)  # dtype, batches, prompt, new tokens
 
 
 def cuda_plan() -> Plan:
@@ -87,6 +90,7 @@ def cpu_plan(model_dir: Path) -> Plan:
         burst_lens=(150, 170, 190),
         sleep_cycles=0,
         transport_lens=(5, 100),
+        tp_speed=("float32", (1, 4), 16, 8),
     )
 
 
@@ -177,6 +181,16 @@ def kv_transport_part(plan: Plan) -> dict:
     return measure(plan.spec, prompts, max_tokens=8)
 
 
+def tp_part(plan: Plan) -> dict:
+    from tests.gpu.tp import measure
+
+    def prompts(vocab_size: int) -> list[list[int]]:
+        return random_prompts(plan.prompt_lens, vocab_size, seed=5)
+
+    spec = plan.spec
+    return measure(spec.model, spec.device, prompts, plan.max_tokens, *plan.tp_speed)
+
+
 def skipped(reason: str) -> dict:
     return {"status": "skipped", "reason": reason}
 
@@ -226,6 +240,8 @@ def run(args: argparse.Namespace, plan: Plan) -> dict:
         parts["kv_transport"] = run_part("kv_transport", kv_transport_part, plan)
     if "speed" in args.parts:
         parts["speed"] = run_part("speed", speed_part, args.device)
+    if "tp" in args.parts:
+        parts["tp"] = run_part("tp", tp_part, plan)
     passed = all(r["status"] in ("passed", "skipped", "measured") for r in parts.values())
     return {
         "check": "tests.gpu.check",

@@ -24,14 +24,24 @@ def measure(
     new_tokens: int = 128,
     model: str | None = None,  # None: the default model
     enforce_eager: bool = False,
+    tensor_parallel_size: int = 1,
+    dtype: str = "bfloat16",
 ) -> dict:
     llm = LLM(
         model,
         device=device,
-        dtype="bfloat16",
+        dtype=dtype,
         enable_prefix_caching=False,
         enforce_eager=enforce_eager,
+        tensor_parallel_size=tensor_parallel_size,
     )
+    try:
+        return _measure(llm, batch_sizes, prompt_len, new_tokens, enforce_eager)
+    finally:
+        llm.shutdown()  # its tensor-parallel ranks too
+
+
+def _measure(llm: LLM, batch_sizes, prompt_len: int, new_tokens: int, enforce_eager: bool):
     vocab = llm.engine.arch.vocab_size
     g = torch.Generator().manual_seed(0)
 
@@ -58,13 +68,20 @@ def measure(
     backend = next(iter(llm.engine.model.attention_layers().values())).backend.name
     mode = "eager" if enforce_eager else "compiled"
     compile_s = round(llm.engine.runner.compile_seconds, 1)
-    return {
+    result = {
         "status": "measured",
         "mode": mode,
         "compile_s": compile_s,
         "backend": backend,
         "rows": rows,
     }
+    if llm.engine.tp is not None:  # rank 0's time in each kind of collective, over the runs
+        stats = llm.engine.tp.stats
+        result["collectives"] = {
+            kind: {"calls": stats.calls[kind], "seconds": round(stats.seconds[kind], 3)}
+            for kind in stats.calls
+        }
+    return result
 
 
 def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
