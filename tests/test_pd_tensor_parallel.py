@@ -2,7 +2,9 @@
 processes: P at TP 2 to D at TP 1 and P at TP 1 to D at TP 2 (and 2 to 2), pulled and pushed.
 
 Each TP-2 worker's rank 1 is a process of its own; rank 0's NIXL agent moves every rank's heads
-(common/parallel/kv_shards.py), head-sliced where the two sides split the heads differently.
+(common/parallel/kv_shards.py): where the two sides split the heads differently, a pull reads
+P's blocks whole into a staging buffer and copies the heads into D's shards (staging.py), a
+push writes head slices.
 Every answer equals what a TP-1 worker computes alone, came from the transferred KV (no
 recompute), and every block comes back on both sides. A mismatch the transfer cannot bridge
 (another block size) is refused at handshake, naming both sides.
@@ -65,10 +67,9 @@ def test_pull_between_tp_sizes_equals_tp1_alone(workers, pair):
     assert kv_sources(d)["recomputed"] == before["recomputed"]
     count, total = (a - b for a, b in zip(descriptors(d, "read"), reads_before, strict=True))
     assert count == NUM_PROMPTS
-    if pair == "p2-d2":  # both split the heads alike: each rank's blocks move whole
-        assert total / count <= 2 * 2  # per layer: K and V of one run, for each of 2 shards
-    else:  # head-sliced: a descriptor per token slot per K/V
-        assert total / count >= 2 * 16
+    # P's blocks move whole, shard by shard (straight into D's, or staged where D splits the
+    # heads otherwise and copied into its shards): per layer K and V of one run, per P shard
+    assert total / count <= 2 * 2
     assert all_blocks_free(p, d)
 
 
@@ -76,6 +77,7 @@ def test_pull_between_tp_sizes_equals_tp1_alone(workers, pair):
 def test_push_between_tp_sizes_equals_tp1_alone(workers, pair):
     p, d = (workers[name] for name in PAIRS[pair])
     before = kv_sources(d)
+    writes_before = descriptors(p, "write")
     for body in bodies():
         target = reserve(d, len(body["prompt"]))
         push = {"do_remote_decode": True, "push_to": target}
@@ -86,6 +88,12 @@ def test_push_between_tp_sizes_equals_tp1_alone(workers, pair):
         assert pushed["token_ids"] == alone(workers["d1"], body), f"{len(body['prompt'])} tokens"
     assert wait_until(lambda: kv_sources(d)["push"] - before["push"] == NUM_PROMPTS)
     assert kv_sources(d)["recomputed"] == before["recomputed"]
+    count, total = (a - b for a, b in zip(descriptors(p, "write"), writes_before, strict=True))
+    assert count == NUM_PROMPTS
+    if pair == "p2-d2":  # the same split: each rank's blocks move whole
+        assert total / count <= 2 * 2
+    else:  # head-sliced WRITEs: a descriptor per token slot per K/V (no staging for pushes)
+        assert total / count >= 2 * 16
     assert all_blocks_free(p, d)
 
 

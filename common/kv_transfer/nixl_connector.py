@@ -88,6 +88,7 @@ class NixlConnector(KVConnector):
     def register_kv_caches(self, kv_caches: dict, shards: list | None = None) -> None:
         from common.kv_transfer.layout import ShardTensors, distinct_heads
         from common.kv_transfer.nixl_transport import NixlTransport
+        from common.kv_transfer.staging import StagingPool
 
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         shards = shards or [ShardTensors(0, list(kv_caches.values()))]
@@ -95,6 +96,7 @@ class NixlConnector(KVConnector):
         distinct = distinct_heads(shards)
         self.kv_caches = [[s.kv_caches[layer] for s in distinct] for layer in range(len(kv_caches))]
         self.transport = NixlTransport(self.cfg.engine_id, shards)
+        self.staging = StagingPool(self.transport, shards)
         self.reservations = ReservationTable(self.pool, len(kv_caches), self.cfg.lease_timeout)
 
     def add_peer(self, layout: dict, metadata: bytes) -> None:
@@ -160,6 +162,7 @@ class NixlConnector(KVConnector):
                 self._on_pushed(msg)
         self.holds.settle()
         self.pushes.settle()
+        self.staging.settle()
         for request_id in self.leases.expire():
             logger.warning("lease of %s expired: its blocks are freed", request_id)
         for reservation_id in self.reservations.expire() if self.reservations else []:
@@ -171,6 +174,7 @@ class NixlConnector(KVConnector):
             or bool(self.reservations and len(self.reservations))
             or len(self.holds) > 0
             or len(self.pushes) > 0
+            or len(self.staging) > 0
         )
 
     def _on_pushed(self, msg: bytes) -> None:
@@ -234,14 +238,20 @@ class NixlConnector(KVConnector):
             if not plan.blocks:  # a full local prefix hit: nothing to read
                 continue
             plan.group = self.holds.hold(plan.blocks)
+            peer = self.transport.peer_layout(plan.remote.remote_engine_id)
+            plan.staged = peer and self.staging.stage(peer, len(plan.blocks))
+            staged = plan.staged
             future = submit(
                 self.transport.read_layers,
                 plan.remote.remote_engine_id,
                 range(len(self.layer_index)),
-                plan.local_blocks,
+                range(len(plan.blocks)) if staged else plan.local_blocks,
                 plan.remote_blocks,
                 deadline=fenced(deadline, plan.remote.read_by),
+                into=staged.layout if staged else None,
             )
+            if staged:
+                staged.future = future
             plan.group.futures.append(future)
             for layer in range(len(self.layer_index)):
                 self._futures[layer].append((plan, future))
@@ -263,6 +273,8 @@ class NixlConnector(KVConnector):
                 why = "the prefill worker's lease ran out before the KV landed"
                 self._fail_load(plan, "lease_expired", why)
                 continue
+            if plan.staged:  # the peer's blocks landed whole: our heads of them into ours
+                plan.staged.scatter(layer, self.staging.shards, plan.local_blocks)
             expected = plan.remote.kv_checksums
             if expected is not None:
                 n = len(plan.local_blocks)

@@ -1,40 +1,32 @@
-"""NIXL transport: one agent per worker; moves one layer's KV blocks to or from a peer.
+"""NIXL transport: one agent per worker; moves KV blocks of some layers to or from a peer.
 
 Contract
-- `NixlTransport(engine_id, kv_caches)` registers every layer's paged KV tensor, each contiguous
-  with shape (2, num_blocks, block_size, num_kv_heads, head_dim), once. A tensor-parallel
-  worker passes every rank's tensors (`ShardTensors`: the heads each rank holds), so one agent
-  moves the KV of all its ranks.
-- A transfer is one descriptor per run of blocks that are consecutive on both sides, per K/V
-  (layout.py `runs`): a request whose blocks are contiguous here and there moves each layer as
-  2 descriptors, built in O(runs) — no per-block work at posting (docs/benchmarks.md). Between
-  different TP sizes a shard's heads move token by token (layout.py `transfer_descs`).
-- A peer is added from its `KVLayout` and its `metadata()`, both sent over any side channel;
-  adding a known one again is a no-op; a layout that the peer's registered memory does not
-  cover is refused then, not at its first transfer. A retired peer (a restarted worker's old
-  engine id), an idle one (no transfer for `peer_idle_s`) and, past `max_peers`, the least
-  recently used idle one are removed once none of their transfers is in flight, when a peer
-  is added.
+- `NixlTransport(engine_id, kv_caches)` registers every layer's paged KV tensor (contiguous,
+  (2, num_blocks, block_size, num_kv_heads, head_dim)) once, every rank's at TP > 1
+  (`ShardTensors`); `register` adds memory (staging buffers, staging.py).
+- A transfer is one descriptor per run of blocks consecutive on both sides, per K/V (layout.py
+  `runs`), built in O(runs), nothing per block (docs/benchmarks.md); between different head
+  splits a shard's heads move token by token (layout.py `transfer_descs`).
+- A peer is added from its `KVLayout` and `metadata()` (again: a no-op); a layout its memory
+  does not cover is refused then. Retired (a restarted worker's old engine id), idle
+  (`peer_idle_s`) and, past `max_peers`, least recently used idle peers are dropped when a peer
+  is added, once none of their transfers is in flight.
 - `read_layers` / `write_layer` move the K and V bytes of the given blocks of some layers (one
-  NIXL transfer for them all) or of one layer, and return a Future[TransferResult] at once. One
-  transfer thread starts transfers in submission order (with UCX's cma transport the copy runs
-  inside `transfer()`, GIL released) and polls every in-flight one. A dead peer fails the Future
-  with TransferError; a transfer still running at the caller's deadline fails with TimeoutError
-  (NIXL has no timeout of its own). Future callbacks run on the transfer thread: keep them short
-  (`loop.call_soon_threadsafe`).
+  NIXL transfer) and return a Future[TransferResult] at once. One transfer thread starts them
+  in submission order (with cma the copy runs inside `transfer()`, GIL released) and polls the
+  in-flight ones. A dead peer fails the Future with TransferError; one still running at the
+  caller's deadline with TimeoutError (NIXL has none). Future callbacks run on the transfer
+  thread: keep them short (`loop.call_soon_threadsafe`). A WRITE's `ready` (a CUDA event) is
+  waited for before posting: it never reads VRAM a kernel queued before it still writes.
 - The Future (`TransferFuture`) also tells when the transfer has *settled* (`is_settled()`):
-  done, or failed and its handle released (an abort), or cancelled before it started. A failure
-  is reported at once, but memory it touched may be reused only once it has settled: a handle
-  NIXL refuses to release is polled until it leaves "PROC" and released then.
-- `ready` (a CUDA event, optional): the transfer thread waits for it before posting, so a WRITE
-  never reads VRAM that a kernel queued before it is still writing.
-- NOTE: a hung peer is not always a stuck transfer: over an established cma connection, READs
-  and WRITEs to a SIGSTOPped peer complete (the kernel copies without it); connecting to it, or
-  transferring after a notif was sent to it, stays in progress until the deadline.
-- The notif of a transfer reaches the peer after the data has landed; notifs of different
-  transfers may arrive out of order.
-- The owner of KV blocks must not free or deregister them while a peer may still read them:
-  reading deregistered memory of a live peer breaks the connection to it for good.
+  done, failed with its handle released (an abort), or cancelled before it started. Memory a
+  failed transfer touched may be reused only once it has settled: a handle NIXL refuses to
+  release is polled until it leaves "PROC" and released then.
+- NOTE: over a cma connection, transfers with a SIGSTOPped peer complete (the kernel copies);
+  connecting to it, or a transfer after a notif to it, runs until the deadline.
+- A transfer's notif reaches the peer after its data; notifs of different transfers may come
+  out of order. Memory a peer may still read must stay registered: reading deregistered memory
+  of a live peer breaks the connection to it for good.
 """
 
 from __future__ import annotations
@@ -90,12 +82,11 @@ class NixlTransport:
         progress_delay_us: int = 1000,
         peer_idle_s: float = 300.0,
         max_peers: int = 64,
-        num_kv_heads: int | None = None,
     ) -> None:
         self.peer_idle_s = peer_idle_s
         self.max_peers = max_peers
         agent_name = f"{engine_id}-{uuid.uuid4().hex[:8]}"
-        self.layout = KVLayout.of(engine_id, agent_name, kv_caches, num_kv_heads)
+        self.layout = KVLayout.of(engine_id, agent_name, kv_caches)
         self._agent = create_agent(agent_name, progress_delay_us)
         # registered memory must outlive the agent's use of it
         self._kv_caches = [t for shard in as_shards(kv_caches) for t in shard.kv_caches]
@@ -146,23 +137,17 @@ class NixlTransport:
         remote_blocks: Sequence[int],
         notif: bytes = b"",
         deadline: float | None = None,
+        into: KVLayout | None = None,
     ) -> TransferFuture:
         """Copy the peer's `remote_blocks` of `layers` into our `local_blocks` (K and V), as
         one transfer: its fixed costs (posting, the thread's turn, the Future) once, not per
-        layer."""
-        return self._submit("READ", peer, layers, local_blocks, remote_blocks, notif, deadline)
+        layer. `into`: the blocks of another layout of ours (a staging buffer) instead."""
+        args = (peer, layers, local_blocks, remote_blocks, notif, deadline)
+        return self._submit("READ", *args, into=into)
 
-    def read_layer(
-        self,
-        peer: str,
-        layer: int,
-        local_blocks: Sequence[int],
-        remote_blocks: Sequence[int],
-        notif: bytes = b"",
-        deadline: float | None = None,
-    ) -> TransferFuture:
-        """Copy the peer's `remote_blocks` of `layer` into our `local_blocks` (K and V)."""
-        return self.read_layers(peer, [layer], local_blocks, remote_blocks, notif, deadline)
+    def read_layer(self, peer: str, layer: int, *args: Any, **kwargs: Any) -> TransferFuture:
+        """`read_layers` of one layer."""
+        return self.read_layers(peer, [layer], *args, **kwargs)
 
     def write_layer(
         self,
@@ -176,9 +161,19 @@ class NixlTransport:
     ) -> TransferFuture:
         """Copy our `local_blocks` of `layer` into the peer's `remote_blocks` (K and V), once
         `ready` (a CUDA event recorded after the layer's KV was written) has completed."""
-        return self._submit(
-            "WRITE", peer, [layer], local_blocks, remote_blocks, notif, deadline, ready
-        )
+        args = (peer, [layer], local_blocks, remote_blocks, notif, deadline)
+        return self._submit("WRITE", *args, ready)
+
+    def register(self, tensor: torch.Tensor) -> Any:
+        """Register more local memory (a staging buffer) with the agent; returns its handle."""
+        region = [(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0, "")]
+        return self._call(lambda: self._agent.register_memory(region, self.layout.mem_type))
+
+    def deregister(self, registration: Any) -> None:
+        self._call(lambda: self._agent.deregister_memory(registration))
+
+    def peer_layout(self, engine_id: str) -> KVLayout | None:
+        return (peer := self._peers.get(engine_id)) and peer.layout
 
     def send_notif(self, peer: str, msg: bytes) -> None:
         self._agent.send_notif(self._peer(peer).layout.agent_name, msg)
@@ -212,14 +207,13 @@ class NixlTransport:
         peer.last_used = time.monotonic()
         return peer
 
-    def _submit(self, op, peer, layers, local_blocks, remote_blocks, notif, deadline, ready=None):
+    def _submit(self, op, peer, layers, here, there, notif, deadline, ready=None, into=None):
         start = time.perf_counter()
-        block_runs = runs(local_blocks, remote_blocks)
+        block_runs = runs(here, there)
         local, remote = transfer_descs(  # row i here is row i there
-            self.layout, self._peer(peer).layout, layers, block_runs, dest_is_local=op == "READ"
+            into or self.layout, self._peer(peer).layout, layers, block_runs, op == "READ"
         )
-        num_bytes = int(local[:, 1].sum())
-        job = TransferJob(op, peer, local, remote, notif, deadline, num_bytes, ready)
+        job = TransferJob(op, peer, local, remote, notif, deadline, int(local[:, 1].sum()), ready)
         job.post_s = time.perf_counter() - start
         self._enqueue(job)
         return job.future

@@ -11,6 +11,7 @@ from common.kv_cache.block_pool import Block
 from common.kv_transfer.holds import TransferGroup
 from common.kv_transfer.params import RemotePrefill
 from common.kv_transfer.push import PushPlan
+from common.kv_transfer.staging import Staged
 
 
 @dataclass
@@ -23,6 +24,7 @@ class LoadPlan:
     failed: bool = False
     started_at: float = 0.0
     group: TransferGroup | None = None
+    staged: Staged | None = None  # read into a staging buffer first (staging.py)
 
     @property
     def local_blocks(self) -> list[int]:

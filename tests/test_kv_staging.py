@@ -1,0 +1,77 @@
+"""Staged pulls between different head splits (common/kv_transfer/staging.py), over two real
+NIXL agents in this process: the peer's blocks land whole in a staging buffer, and each head
+ends up in our shard that holds it; nothing outside the named blocks changes; buffers are reused
+and go back to the pool once their READ has settled."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+pytest.importorskip("nixl")
+
+from common.kv_transfer.layout import ShardTensors  # noqa: E402
+from common.kv_transfer.nixl_transport import NixlTransport  # noqa: E402
+from common.kv_transfer.staging import StagingPool  # noqa: E402
+
+LAYERS, BLOCKS, BLOCK_SIZE, HEAD_DIM = 3, 12, 4, 8
+SPLITS = {"tp1": [(0, 3)], "tp2": [(0, 1), (1, 3)], "tp2-other": [(0, 2), (2, 3)]}
+
+
+def shards(split: str, fill: bool) -> list[ShardTensors]:
+    out = []
+    for first, stop in SPLITS[split]:
+        shape = (LAYERS, 2, BLOCKS, BLOCK_SIZE, stop - first, HEAD_DIM)
+        kv = torch.randn(shape) if fill else torch.zeros(shape)
+        out.append(ShardTensors(first, list(kv.unbind(0))))
+    return out
+
+
+def heads_of(kv: list[ShardTensors], layer: int, blocks: list[int]) -> torch.Tensor:
+    """The named blocks of a layer, every head once in head order."""
+    by_head = {}
+    for shard in kv:
+        t = shard.kv_caches[layer][:, blocks]
+        for i in range(t.shape[3]):
+            by_head.setdefault(shard.first_head + i, t[:, :, :, i])
+    return torch.stack([by_head[h] for h in sorted(by_head)], dim=3)
+
+
+@pytest.mark.parametrize(
+    "p_split, d_split", [("tp2", "tp1"), ("tp1", "tp2"), ("tp2", "tp2-other"), ("tp1", "tp1")]
+)
+def test_a_staged_pull_puts_every_head_where_it_belongs(p_split, d_split):
+    p_kv, d_kv = shards(p_split, fill=True), shards(d_split, fill=False)
+    with NixlTransport("p", p_kv) as p, NixlTransport("d", d_kv) as d:
+        d.add_peer(p.layout, p.metadata())
+        pool = StagingPool(d, d_kv)
+        local, remote = [2, 3, 4, 9], [7, 8, 0, 1]
+        staged = pool.stage(p.layout, len(local))
+        if p_split == d_split:  # the same heads on both sides: straight into our blocks
+            assert staged is None
+            return
+        future = d.read_layers("p", range(LAYERS), range(len(local)), remote, into=staged.layout)
+        staged.future = future
+        result = future.result(timeout=10)
+        assert result.num_descriptors == 2 * len(staged.layout.shards) * LAYERS * 2  # 2 runs
+        for layer in range(LAYERS):
+            staged.scatter(layer, d_kv, local)
+            assert torch.equal(heads_of(d_kv, layer, local), heads_of(p_kv, layer, remote))
+            others = [b for b in range(BLOCKS) if b not in local]
+            assert all(not s.kv_caches[layer][:, others].any() for s in d_kv)
+        assert len(pool) == 1
+        pool.settle()
+        assert len(pool) == 0 and len(pool._free) == 1
+        buffer = pool._free[0]
+        again = pool.stage(p.layout, 2)  # fits in the same buffer: reused, not registered anew
+        assert again.buffer is buffer and not pool._free
+        again.future = d.read_layers("p", range(LAYERS), [0, 1], [5, 6], into=again.layout)
+        again.future.result(timeout=10)
+        pool.settle()
+        assert pool._free == [buffer]
+        pool.settle()
+        for b in pool._free:
+            d.deregister(b.registration)
