@@ -3,13 +3,13 @@
 Two NixlTransports in this process over KV shaped like SmolLM2's (30 layers, 3 KV heads of 64,
 fp32, blocks of 16), each side one shard (TP 1) or two (TP 2: heads 0 and 1-2, as
 common/parallel/shard.py splits 3 heads over 2 ranks), allocated as a worker allocates them. A
-request's pull is one READ of every layer (docs/design.md, "KV between TP sizes"). Between
-different splits, two ways: `direct` reads each token's slice of heads straight into D's shards
-(a descriptor per token slot), `staged` (what D does) reads P's blocks whole into a staging
-buffer and copies the heads into D's shards (the time includes that copy). Per pair, way and
-prompt length: the median time, descriptors per layer, posting (building the descriptors and
-the handle) and the ratio to TP 1 -> TP 1 in the same run. Every pull is checked: D's heads
-equal P's.
+request's pull is one READ of every layer, its push one WRITE per layer (docs/design.md, "KV
+between TP sizes"). Between different splits, two ways: `direct` moves each token's slice of
+heads straight between the shards (a descriptor per token slot), `staged` (what the workers
+do) moves whole blocks through a staging buffer in the other side's layout, the copy between
+buffer and shards included in the time. Per pair, op, way and prompt length: the median time,
+descriptors per layer and the ratio to TP 1 -> TP 1 in the same run. Every transfer's last
+layer is checked: D's heads equal P's.
 
     .venv/bin/python benchmarks/tp_transfer.py [--prompt-lens 128 512 2048] [--repeats 20]
 """
@@ -64,15 +64,32 @@ def pull(d, pool, p_layout, d_kv, blocks: list[int], staged: bool):
     """One pull of `blocks` (the same ids on both sides); the READ's result."""
     if not staged:
         return d.read_layers("p", range(NUM_LAYERS), blocks, blocks).result(timeout=60)
-    stage = pool.stage(p_layout, len(blocks))
-    stage.future = d.read_layers(
-        "p", range(NUM_LAYERS), range(len(blocks)), blocks, into=stage.layout
+    stage = pool.for_read(p_layout, len(blocks))
+    stage.futures.append(
+        d.read_layers("p", range(NUM_LAYERS), range(len(blocks)), blocks, via=stage.layout)
     )
-    result = stage.future.result(timeout=60)
+    result = stage.futures[0].result(timeout=60)
     for layer in range(NUM_LAYERS):
         stage.scatter(layer, d_kv, blocks)
     pool.settle()
     return result
+
+
+def push(p, pool, d_layout, p_kv, blocks: list[int], staged: bool):
+    """One push of `blocks`: a WRITE per layer, as P posts them (staged: each layer gathered
+    into D's layout first); the first WRITE's result, once all have landed."""
+    stage = staged and pool.for_write(d_layout, len(blocks))
+    futures = []
+    for layer in range(NUM_LAYERS):
+        if stage:
+            stage.gather(layer, p_kv, blocks)
+        local = range(len(blocks)) if stage else blocks
+        futures.append(p.write_layer("d", layer, local, blocks, via=stage and stage.layout))
+    if stage:
+        stage.futures += futures
+    results = [f.result(timeout=60) for f in futures]
+    pool.settle()
+    return results[0]
 
 
 def bench_pair(p_tp: int, d_tp: int, staged: bool, prompt_lens: list[int], repeats: int):
@@ -83,25 +100,35 @@ def bench_pair(p_tp: int, d_tp: int, staged: bool, prompt_lens: list[int], repea
     rows = []
     with NixlTransport("p", p_kv) as p, NixlTransport("d", d_kv) as d:
         d.add_peer(p.layout, p.metadata())
-        pool = StagingPool(d, d_kv)
-        for n in prompt_lens:
+        p.add_peer(d.layout, d.metadata())
+        pools = {"pull": StagingPool(d, d_kv), "push": StagingPool(p, p_kv)}
+        for op, n in ((op, n) for op in ("pull", "push") for n in prompt_lens):
             blocks = list(range(1, -(-n // BLOCK_SIZE) + 1))
-            pull(d, pool, p.layout, d_kv, blocks, staged)  # connects; the buffer is made
+
+            def once(op=op, blocks=blocks):
+                if op == "pull":
+                    return pull(d, pools[op], p.layout, d_kv, blocks, staged)
+                return push(p, pools[op], d.layout, p_kv, blocks, staged)
+
+            for shard in d_kv:  # what lands (in the last layer) is checked
+                shard.kv_caches[-1].zero_()
+            once()  # connects; the buffer is made
             assert torch.equal(full_heads(d_kv, blocks), full_heads(p_kv, blocks))
             times, results = [], []
             for _ in range(repeats):
                 start = time.perf_counter()
-                results.append(pull(d, pool, p.layout, d_kv, blocks, staged))
+                results.append(once())
                 times.append(time.perf_counter() - start)
+            descs = results[0].num_descriptors // (NUM_LAYERS if op == "pull" else 1)
             rows.append(
                 dict(
                     pair=f"P TP{p_tp} -> D TP{d_tp}",
+                    op=op,
                     way="staged" if staged else "direct",
                     tokens=n,
                     ms=statistics.median(times) * 1e3,
-                    descs=results[0].num_descriptors // NUM_LAYERS,
-                    post_ms=statistics.median(r.post_s for r in results) * 1e3,
-                    mb=results[0].num_bytes / 1e6,
+                    descs=descs,
+                    mb=results[0].num_bytes / 1e6 * (1 if op == "pull" else NUM_LAYERS),
                 )
             )
     return rows
@@ -114,16 +141,14 @@ def main() -> None:
     a = parser.parse_args()
     ways = [(p, d, staged) for p, d in PAIRS for staged in ((False, True) if p != d else (False,))]
     rows = [r for p, d, st in ways for r in bench_pair(p, d, st, a.prompt_lens, a.repeats)]
-    base = {r["tokens"]: r["ms"] for r in rows if r["pair"] == "P TP1 -> D TP1"}
-    print(
-        "| pair | way | tokens | MB | descriptors a layer | post ms | pull ms | ÷ TP1->TP1 | GB/s |"
-    )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
+    base = {(r["op"], r["tokens"]): r["ms"] for r in rows if r["pair"] == "P TP1 -> D TP1"}
+    print("| pair | op | way | tokens | MB | descriptors a layer | ms | ÷ TP1->TP1 | GB/s |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in sorted(rows, key=lambda r: r["op"] == "push"):
+        ratio = r["ms"] / base[(r["op"], r["tokens"])]
         print(
-            f"| {r['pair']} | {r['way']} | {r['tokens']} | {r['mb']:.1f} | {r['descs']} "
-            f"| {r['post_ms']:.2f} "
-            f"| {r['ms']:.2f} | {r['ms'] / base[r['tokens']]:.2f} | {r['mb'] / r['ms']:.2f} |"
+            f"| {r['pair']} | {r['op']} | {r['way']} | {r['tokens']} | {r['mb']:.1f} "
+            f"| {r['descs']} | {r['ms']:.2f} | {ratio:.2f} | {r['mb'] / r['ms']:.2f} |"
         )
 
 

@@ -1,7 +1,8 @@
-"""Staged pulls between different head splits (common/kv_transfer/staging.py), over two real
-NIXL agents in this process: the peer's blocks land whole in a staging buffer, and each head
-ends up in our shard that holds it; nothing outside the named blocks changes; buffers are reused
-and go back to the pool once their READ has settled."""
+"""Staged transfers between different head splits (common/kv_transfer/staging.py), over two
+real NIXL agents in this process: pulled, the peer's blocks land whole in a staging buffer and
+each head ends up in our shard that holds it; pushed, our heads are gathered into the peer's
+layout and written whole. Nothing outside the named blocks changes; buffers are reused and go
+back to the pool once their transfers have settled."""
 
 from __future__ import annotations
 
@@ -49,12 +50,12 @@ def test_a_staged_pull_puts_every_head_where_it_belongs(p_split, d_split):
         d.add_peer(p.layout, p.metadata())
         pool = StagingPool(d, d_kv)
         local, remote = [2, 3, 4, 9], [7, 8, 0, 1]
-        staged = pool.stage(p.layout, len(local))
+        staged = pool.for_read(p.layout, len(local))
         if p_split == d_split:  # the same heads on both sides: straight into our blocks
             assert staged is None
             return
-        future = d.read_layers("p", range(LAYERS), range(len(local)), remote, into=staged.layout)
-        staged.future = future
+        future = d.read_layers("p", range(LAYERS), range(len(local)), remote, via=staged.layout)
+        staged.futures.append(future)
         result = future.result(timeout=10)
         assert result.num_descriptors == 2 * len(staged.layout.shards) * LAYERS * 2  # 2 runs
         for layer in range(LAYERS):
@@ -66,12 +67,40 @@ def test_a_staged_pull_puts_every_head_where_it_belongs(p_split, d_split):
         pool.settle()
         assert len(pool) == 0 and len(pool._free) == 1
         buffer = pool._free[0]
-        again = pool.stage(p.layout, 2)  # fits in the same buffer: reused, not registered anew
+        again = pool.for_read(p.layout, 2)  # fits in the same buffer: reused, not registered anew
         assert again.buffer is buffer and not pool._free
-        again.future = d.read_layers("p", range(LAYERS), [0, 1], [5, 6], into=again.layout)
-        again.future.result(timeout=10)
+        again.futures.append(d.read_layers("p", range(LAYERS), [0, 1], [5, 6], via=again.layout))
+        again.futures[0].result(timeout=10)
         pool.settle()
         assert pool._free == [buffer]
         pool.settle()
         for b in pool._free:
             d.deregister(b.registration)
+
+
+@pytest.mark.parametrize(
+    "p_split, d_split", [("tp2", "tp1"), ("tp1", "tp2"), ("tp2", "tp2-other"), ("tp1", "tp1")]
+)
+def test_a_staged_push_writes_every_head_where_the_peer_holds_it(p_split, d_split):
+    p_kv, d_kv = shards(p_split, fill=True), shards(d_split, fill=False)
+    with NixlTransport("p", p_kv) as p, NixlTransport("d", d_kv) as d:
+        p.add_peer(d.layout, d.metadata())
+        pool = StagingPool(p, p_kv)
+        local, remote = [5, 6, 7, 0], [1, 2, 3, 11]
+        staged = pool.for_write(d.layout, len(local))
+        if p_split == d_split:
+            assert staged is None
+            return
+        for layer in range(LAYERS):  # as P does: gather a layer once its KV is written, WRITE
+            staged.gather(layer, p_kv, local)
+            staged.futures.append(
+                p.write_layer("d", layer, range(len(local)), remote, via=staged.layout)
+            )
+        results = [f.result(timeout=10) for f in staged.futures]
+        assert all(r.num_descriptors == 2 * len(staged.layout.shards) * 2 for r in results)
+        for layer in range(LAYERS):
+            assert torch.equal(heads_of(d_kv, layer, remote), heads_of(p_kv, layer, local))
+            others = [b for b in range(BLOCKS) if b not in remote]
+            assert all(not s.kv_caches[layer][:, others].any() for s in d_kv)
+        pool.settle()
+        assert len(pool) == 0 and len(pool._free) == 1

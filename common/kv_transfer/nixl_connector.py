@@ -30,9 +30,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 from common.config import TransferConfig
@@ -44,24 +43,11 @@ from common.kv_transfer.params import RemotePrefill, push_target, wants_remote_d
 from common.kv_transfer.push import PushTable
 from common.kv_transfer.reservations import PUSHED, Reservation, ReservationTable, push_notif
 from common.kv_transfer.step import LoadPlan, StepMeta
-from common.kv_transfer.transfers import DescriptorHistogram, fenced, kv_written_event, submit
+from common.kv_transfer.transfers import TransferStats, fenced, kv_written_event, submit
 
 logger = logging.getLogger(__name__)
 
 RELEASE = b"release:"
-
-
-@dataclass
-class TransferStats:
-    num_loads: int = 0
-    num_failed: int = 0
-    bytes_loaded: int = 0
-    seconds_loading: float = 0.0
-    descriptors: int = 0
-    descriptors_a_layer: DescriptorHistogram = field(default_factory=DescriptorHistogram)
-    num_checksum_failures: int = 0
-    loaded_requests: Counter = field(default_factory=Counter)  # D: by mode, pull | push
-    recomputed: Counter = field(default_factory=Counter)  # D: by KVLoss.reason
 
 
 class NixlConnector(KVConnector):
@@ -229,6 +215,9 @@ class NixlConnector(KVConnector):
             for req, num_new in scheduled
             if (plan := self.pushes.plan(req, num_new)) is not None
         ]
+        for plan in pushes:  # D splits the heads otherwise: written whole from a staging buffer
+            peer = self.transport.peer_layout(plan.target.engine_id)
+            plan.staged = peer and self.staging.for_write(peer, len(plan.remote_blocks))
         return StepMeta(loads, pushes) if loads or pushes else None
 
     def start_load_kv(self, ctx) -> None:
@@ -239,7 +228,7 @@ class NixlConnector(KVConnector):
                 continue
             plan.group = self.holds.hold(plan.blocks)
             peer = self.transport.peer_layout(plan.remote.remote_engine_id)
-            plan.staged = peer and self.staging.stage(peer, len(plan.blocks))
+            plan.staged = peer and self.staging.for_read(peer, len(plan.blocks))
             staged = plan.staged
             future = submit(
                 self.transport.read_layers,
@@ -248,10 +237,10 @@ class NixlConnector(KVConnector):
                 range(len(plan.blocks)) if staged else plan.local_blocks,
                 plan.remote_blocks,
                 deadline=fenced(deadline, plan.remote.read_by),
-                into=staged.layout if staged else None,
+                via=staged.layout if staged else None,
             )
             if staged:
-                staged.future = future
+                staged.futures.append(future)
             plan.group.futures.append(future)
             for layer in range(len(self.layer_index)):
                 self._futures[layer].append((plan, future))
@@ -322,17 +311,22 @@ class NixlConnector(KVConnector):
     def _write_layer(self, pushes: list, layer: int, ready) -> None:
         deadline = time.monotonic() + self.cfg.load_timeout
         for plan in pushes:
+            if staged := plan.staged:  # this layer's heads into D's shard layout, then whole
+                staged.gather(layer, self.staging.shards, plan.local_blocks)
             future = submit(
                 self.transport.write_layer,
                 plan.target.engine_id,
                 layer,
-                plan.local_blocks,
+                range(len(plan.remote_blocks)) if staged else plan.local_blocks,
                 plan.remote_blocks,
                 notif=push_notif(plan.target.reservation_id, layer, plan.chunk, plan.is_final),
                 deadline=fenced(deadline, plan.target.write_by),
                 ready=ready,
+                via=staged.layout if staged else None,
             )
             self.pushes.add_write(plan, future)
+            if staged:
+                staged.futures.append(future)
 
     def wait_for_all_loads(self) -> None:
         """D at TP > 1: every layer's reads landed (or failed) before the step's plan goes to

@@ -137,13 +137,13 @@ class NixlTransport:
         remote_blocks: Sequence[int],
         notif: bytes = b"",
         deadline: float | None = None,
-        into: KVLayout | None = None,
+        via: KVLayout | None = None,
     ) -> TransferFuture:
         """Copy the peer's `remote_blocks` of `layers` into our `local_blocks` (K and V), as
         one transfer: its fixed costs (posting, the thread's turn, the Future) once, not per
-        layer. `into`: the blocks of another layout of ours (a staging buffer) instead."""
+        layer. `via`: the blocks of another layout of ours (a staging buffer) instead."""
         args = (peer, layers, local_blocks, remote_blocks, notif, deadline)
-        return self._submit("READ", *args, into=into)
+        return self._submit("READ", *args, via=via)
 
     def read_layer(self, peer: str, layer: int, *args: Any, **kwargs: Any) -> TransferFuture:
         """`read_layers` of one layer."""
@@ -158,11 +158,12 @@ class NixlTransport:
         notif: bytes = b"",
         deadline: float | None = None,
         ready: Any = None,
+        via: KVLayout | None = None,
     ) -> TransferFuture:
-        """Copy our `local_blocks` of `layer` into the peer's `remote_blocks` (K and V), once
-        `ready` (a CUDA event recorded after the layer's KV was written) has completed."""
+        """Copy our `local_blocks` of `layer` (of `via`, when given) into the peer's
+        `remote_blocks` (K and V), once `ready` (a CUDA event) has completed."""
         args = (peer, [layer], local_blocks, remote_blocks, notif, deadline)
-        return self._submit("WRITE", *args, ready)
+        return self._submit("WRITE", *args, ready, via)
 
     def register(self, tensor: torch.Tensor) -> Any:
         """Register more local memory (a staging buffer) with the agent; returns its handle."""
@@ -207,11 +208,11 @@ class NixlTransport:
         peer.last_used = time.monotonic()
         return peer
 
-    def _submit(self, op, peer, layers, here, there, notif, deadline, ready=None, into=None):
+    def _submit(self, op, peer, layers, here, there, notif, deadline, ready=None, via=None):
         start = time.perf_counter()
         block_runs = runs(here, there)
         local, remote = transfer_descs(  # row i here is row i there
-            into or self.layout, self._peer(peer).layout, layers, block_runs, op == "READ"
+            via or self.layout, self._peer(peer).layout, layers, block_runs, op == "READ"
         )
         job = TransferJob(op, peer, local, remote, notif, deadline, int(local[:, 1].sum()), ready)
         job.post_s = time.perf_counter() - start

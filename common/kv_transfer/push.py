@@ -37,6 +37,7 @@ class PushPlan:
     remote_blocks: list[int]
     chunk: int
     is_final: bool  # the prompt completes this step
+    staged: Any = None  # staging.Staged: written whole through a buffer in D's shard layout
 
     @property
     def local_blocks(self) -> list[int]:

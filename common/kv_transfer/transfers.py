@@ -1,6 +1,7 @@
 """What one KV transfer is, and how it ends: the job the transfer thread carries
 (`TransferJob`), the Future the caller holds (`TransferFuture`: done, failed, and *settled*
-once its memory is no longer touched), its result and its error. The thread that moves the
+once its memory is no longer touched), its result and its error, and a connector's running
+totals (`TransferStats`). The thread that moves the
 bytes is common/kv_transfer/nixl_transport.py. Also what a connector starts one with: `submit`
 (a refusal becomes a failed Future), `fenced` (the deadline a peer's lease or reservation
 allows) and `kv_written_event` (what a WRITE of CUDA memory waits for).
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +53,19 @@ class DescriptorHistogram:
 
     def copy(self) -> DescriptorHistogram:
         return DescriptorHistogram(list(self.counts), self.total)
+
+
+@dataclass
+class TransferStats:
+    num_loads: int = 0
+    num_failed: int = 0
+    bytes_loaded: int = 0
+    seconds_loading: float = 0.0
+    descriptors: int = 0
+    descriptors_a_layer: DescriptorHistogram = field(default_factory=DescriptorHistogram)
+    num_checksum_failures: int = 0
+    loaded_requests: Counter = field(default_factory=Counter)  # D: by mode, pull | push
+    recomputed: Counter = field(default_factory=Counter)  # D: by KVLoss.reason
 
 
 class TransferFuture(Future):
