@@ -18,9 +18,8 @@ Tensor parallelism (`--prefill-tp N`, `--decode-tp N`; `--gpus-per-worker N` is 
 a TP-N worker runs `--tensor-parallel-size N` on N GPUs of its own, consecutive ones, which its
 CUDA_VISIBLE_DEVICES lists (`2,3`; its ranks take cuda:0..N-1 of them); device_ids still lists
 every worker's GPUs, and --gpus must cover N per worker. A TP-N GPU worker has no P/D KV
-transfer yet (its --kv-connector defaults to none), so TP > 1 on GPUs needs `--mode colocated`;
-other modes exit 2 (deploy/tp.py) rather than write a file whose workers refuse to start. With
-`--cpu`, P and D may run at any TP sizes.
+transfer yet, so on GPUs TP > 1 needs `--mode colocated`; other modes exit 2 (deploy/tp.py)
+rather than write a file whose workers refuse to start. With `--cpu` any TP sizes go.
 
 CPU: one service per role, `prefill` on 8100 and `decode` on 8200, with `scale: N` for N > 1,
 so that `docker-compose up --scale decode=3` adds replicas without a new file: nothing pins a

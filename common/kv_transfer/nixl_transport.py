@@ -160,13 +160,12 @@ class NixlTransport:
         ready: Any = None,
         via: KVLayout | None = None,
     ) -> TransferFuture:
-        """Copy our `local_blocks` of `layer` (of `via`, when given) into the peer's
-        `remote_blocks` (K and V), once `ready` (a CUDA event) has completed."""
+        """Copy our (or `via`'s) `local_blocks` of `layer` to the peer's, after `ready`."""
         args = (peer, [layer], local_blocks, remote_blocks, notif, deadline)
         return self._submit("WRITE", *args, ready, via)
 
     def register(self, tensor: torch.Tensor) -> Any:
-        """Register more local memory (a staging buffer) with the agent; returns its handle."""
+        """Register more local memory (a staging buffer); returns its handle."""
         region = [(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0, "")]
         return self._call(lambda: self._agent.register_memory(region, self.layout.mem_type))
 
