@@ -6,6 +6,7 @@ back to the pool once their transfers have settled."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -41,13 +42,22 @@ def heads_of(kv: list[ShardTensors], layer: int, blocks: list[int]) -> torch.Ten
     return torch.stack([by_head[h] for h in sorted(by_head)], dim=3)
 
 
-@pytest.mark.parametrize(
-    "p_split, d_split", [("tp2", "tp1"), ("tp1", "tp2"), ("tp2", "tp2-other"), ("tp1", "tp1")]
-)
-def test_a_staged_pull_puts_every_head_where_it_belongs(p_split, d_split):
+SPLIT_PAIRS = [("tp2", "tp1"), ("tp1", "tp2"), ("tp2", "tp2-other"), ("tp1", "tp1")]
+
+
+@contextlib.contextmanager
+def connected(p_split: str, d_split: str):
+    """P's shards (random) and D's (zero), each behind its own agent, each knowing the other."""
     p_kv, d_kv = shards(p_split, fill=True), shards(d_split, fill=False)
     with NixlTransport("p", p_kv) as p, NixlTransport("d", d_kv) as d:
         d.add_peer(p.layout, p.metadata())
+        p.add_peer(d.layout, d.metadata())
+        yield p_kv, d_kv, p, d
+
+
+@pytest.mark.parametrize("p_split, d_split", SPLIT_PAIRS)
+def test_a_staged_pull_puts_every_head_where_it_belongs(p_split, d_split):
+    with connected(p_split, d_split) as (p_kv, d_kv, p, d):
         pool = StagingPool(d, d_kv)
         local, remote = [2, 3, 4, 9], [7, 8, 0, 1]
         staged = pool.for_read(p.layout, len(local))
@@ -78,13 +88,9 @@ def test_a_staged_pull_puts_every_head_where_it_belongs(p_split, d_split):
             d.deregister(b.registration)
 
 
-@pytest.mark.parametrize(
-    "p_split, d_split", [("tp2", "tp1"), ("tp1", "tp2"), ("tp2", "tp2-other"), ("tp1", "tp1")]
-)
+@pytest.mark.parametrize("p_split, d_split", SPLIT_PAIRS)
 def test_a_staged_push_writes_every_head_where_the_peer_holds_it(p_split, d_split):
-    p_kv, d_kv = shards(p_split, fill=True), shards(d_split, fill=False)
-    with NixlTransport("p", p_kv) as p, NixlTransport("d", d_kv) as d:
-        p.add_peer(d.layout, d.metadata())
+    with connected(p_split, d_split) as (p_kv, d_kv, p, d):
         pool = StagingPool(p, p_kv)
         local, remote = [5, 6, 7, 0], [1, 2, 3, 11]
         staged = pool.for_write(d.layout, len(local))

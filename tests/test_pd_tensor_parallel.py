@@ -53,6 +53,19 @@ def all_blocks_free(*servers) -> bool:
     return all(wait_until(lambda s=s: s.metric("pdserve_kv_blocks_used") == 0) for s in servers)
 
 
+def moved_whole_and_used(p, d, mode: str, before: dict, mover, descs_before) -> None:
+    """Every answer decoded from P's KV (checksums over every head matched), none recomputed;
+    the KV moved as whole blocks, shard by shard (staged where P and D split the heads
+    otherwise): per layer K and V of one run, per shard, ≤ 2 shards; every block back."""
+    assert wait_until(lambda: kv_sources(d)[mode] - before[mode] == NUM_PROMPTS)
+    assert kv_sources(d)["recomputed"] == before["recomputed"]
+    op = "read" if mode == "pull" else "write"
+    count, total = (a - b for a, b in zip(descriptors(mover, op), descs_before, strict=True))
+    assert count == NUM_PROMPTS
+    assert total / count <= 2 * 2
+    assert all_blocks_free(p, d)
+
+
 @pytest.mark.parametrize("pair", PAIRS)
 def test_pull_between_tp_sizes_equals_tp1_alone(workers, pair):
     p, d = (workers[name] for name in PAIRS[pair])
@@ -62,15 +75,7 @@ def test_pull_between_tp_sizes_equals_tp1_alone(workers, pair):
         params = prefill(p, body)
         pulled = complete(d.url, {**body, "kv_transfer_params": params})["choices"][0]
         assert pulled["token_ids"] == alone(workers["d1"], body), f"{len(body['prompt'])} tokens"
-    # every answer decoded from P's KV (checksums over every head matched), none recomputed
-    assert wait_until(lambda: kv_sources(d)["pull"] - before["pull"] == NUM_PROMPTS)
-    assert kv_sources(d)["recomputed"] == before["recomputed"]
-    count, total = (a - b for a, b in zip(descriptors(d, "read"), reads_before, strict=True))
-    assert count == NUM_PROMPTS
-    # P's blocks move whole, shard by shard (straight into D's, or staged where D splits the
-    # heads otherwise and copied into its shards): per layer K and V of one run, per P shard
-    assert total / count <= 2 * 2
-    assert all_blocks_free(p, d)
+    moved_whole_and_used(p, d, "pull", before, d, reads_before)
 
 
 @pytest.mark.parametrize("pair", PAIRS)
@@ -86,14 +91,7 @@ def test_push_between_tp_sizes_equals_tp1_alone(workers, pair):
         assert params["push_reservation_id"] == target["reservation_id"]
         pushed = complete(d.url, {**body, "kv_transfer_params": params})["choices"][0]
         assert pushed["token_ids"] == alone(workers["d1"], body), f"{len(body['prompt'])} tokens"
-    assert wait_until(lambda: kv_sources(d)["push"] - before["push"] == NUM_PROMPTS)
-    assert kv_sources(d)["recomputed"] == before["recomputed"]
-    count, total = (a - b for a, b in zip(descriptors(p, "write"), writes_before, strict=True))
-    assert count == NUM_PROMPTS
-    # P's heads move whole, shard by shard (from P's shards, or gathered into D's layout in a
-    # staging buffer where D splits them otherwise): per layer K and V of one run, per D shard
-    assert total / count <= 2 * 2
-    assert all_blocks_free(p, d)
+    moved_whole_and_used(p, d, "push", before, p, writes_before)
 
 
 def test_a_block_size_the_transfer_cannot_bridge_is_refused_naming_both(
