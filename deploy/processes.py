@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -143,9 +144,31 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nothing is bound to, picked at random below the kernel's ephemeral range. The
+    caller binds it later, in another process: a port in the ephemeral range could meanwhile
+    go to any socket the kernel numbers itself (UCX's listeners, outgoing connections; a KV
+    events endpoint once lost that race in CI), one below it only to another pick of this."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+            try:
+                s.bind(("0.0.0.0", port))  # every address: KV events bind tcp://*
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the low range is full: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 class ServerProcess:
