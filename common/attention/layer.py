@@ -30,7 +30,10 @@ class Attention(nn.Module):
     ):
         super().__init__()
         self.layer_name = layer_name
-        self.layer_index = layer_index  # a graph input, not a constant: layers share one graph
+        self.layer_index = layer_index
+        # the index as a CPU tensor: a graph input, not a constant, so that every layer can run
+        # one compiled graph (set by the compiled path: a tensor made here could land on "meta")
+        self.index_tensor: torch.Tensor | None = None
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -41,7 +44,7 @@ class Attention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query (T, Hq*D), key/value (T, Hkv*D) → (T, Hq*D)."""
         if torch.compiler.is_compiling():
-            return torch.ops.pdserve.unified_attention(query, key, value, self.layer_index)
+            return torch.ops.pdserve.unified_attention(query, key, value, self.index_tensor)
         return unified_attention(query, key, value, self.layer_name)
 
 
@@ -68,11 +71,11 @@ def unified_attention(
 
 @torch.library.custom_op("pdserve::unified_attention", mutates_args=())
 def _unified_attention_op(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_index: int
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_index: torch.Tensor
 ) -> torch.Tensor:
     # NOTE: the KV cache is written through the forward context, not an argument: the op is
     # opaque to the compiler, and its data dependence on the previous layer keeps the order
-    layer_name = get_forward_context().layer_names[layer_index]
+    layer_name = get_forward_context().layer_names[int(layer_index)]
     return unified_attention(query, key, value, layer_name)
 
 
