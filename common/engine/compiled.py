@@ -19,6 +19,7 @@ decorator's connector calls kept outside the captured region (vLLM's piecewise g
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 from collections.abc import Callable
@@ -35,22 +36,16 @@ def compile_model(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], to
     """The model's forward as one torch.compile'd graph (lazily: on the first call), in which
     the decoder layer is a nested compile region: traced and compiled once, stamped out for
     every layer."""
+    region = torch.compiler.nested_compile_region(_own_copy(type(model.layers[0]).forward))
     for layer in model.layers:
         attn = layer.self_attn.attn
         attn.index_tensor = torch.tensor(attn.layer_index)  # CPU, whatever the model's device
-    region = torch.compiler.nested_compile_region(_own_copy(type(model.layers[0]).forward))
-
-    def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = model.embed_tokens(input_ids)
-        for layer in model.layers:
-            h = region(layer, positions, h)
-        return model.norm(h)
-
+        layer.forward = functools.partial(region, layer)
     # NOTE: skipping dynamo's module guards saves ~0.16 ms a module call; it is safe because
     # dynamo caches graphs per code object and each model gets its own copy of the code, so
     # another model in the process (other biases, other shapes) never runs this model's graph
     return torch.compile(
-        _own_copy(forward),
+        _own_copy(type(model).forward).__get__(model),
         dynamic=True,
         fullgraph=True,
         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
