@@ -142,14 +142,22 @@ def _install_status_routes(app: FastAPI, proxy: Proxy) -> None:
         return {"status": "ok", "role": "proxy"}
 
     @app.get("/ready")
-    async def ready():
+    async def ready(request: Request):
+        """Ready when this process sees a routable D (and P, in a P/D mode); with `--workers N`,
+        only when every sibling is ready too (any of them may take the next connection)."""
+        ready, waiting = proxy.is_ready, []
+        if ready and proxy.siblings is not None and not proxy.siblings.is_peer(request.headers):
+            waiting = await proxy.siblings.not_ready()
+            ready = not waiting
         body = {
-            "ready": proxy.is_ready,
+            "ready": ready,
             "mode": proxy.cfg.mode,
             "process": {"index": proxy.process_index, "pid": os.getpid()},
             "workers": [w.describe() for w in proxy.all_workers()],
         }
-        return JSONResponse(body, status_code=200 if proxy.is_ready else 503)
+        if waiting:
+            body["siblings_not_ready"] = waiting
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")
     async def metrics(request: Request):

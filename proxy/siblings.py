@@ -1,6 +1,6 @@
 """What one proxy process (of `--workers N`, proxy/processes.py) asks of the others: to apply an
 admin change it received, their workers when it was started again, and their metrics for a
-merged `/metrics`.
+merged `/metrics`, and whether they are ready.
 
 Calls go to each sibling's private loopback address and carry the peer token
 (`X-Pdserve-Peer`): a sibling applies such an admin change without sending it on, and answers
@@ -32,6 +32,7 @@ VIEW_GAUGES = {  # each process holds its own view of the same thing: the larges
     "pdserve_proxy_kv_index_blocks",  # every process indexes every worker's KV events
 }
 TIMEOUT_S = 5.0
+READY_TIMEOUT_S = 1.0  # a sibling that cannot say it is ready in this time is not
 ADMIN_TIMEOUT_S = 30.0  # an admin change waits for a sibling that is still starting
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,21 @@ class Siblings:
             else:
                 texts.append(r.text)
         return texts
+
+    async def not_ready(self) -> list[str]:
+        """The siblings that do not answer their own `/ready` with 200 (their private URLs).
+
+        Connections spread over the processes, so the proxy is ready only when every process
+        is: each runs its own health checks, and one may not have seen a worker come up yet."""
+        ask = [
+            self._client.get(url + "/ready", timeout=READY_TIMEOUT_S) for url in self.info.others
+        ]
+        answers = await asyncio.gather(*ask, return_exceptions=True)
+        return [
+            url
+            for url, r in zip(self.info.others, answers, strict=True)
+            if isinstance(r, BaseException) or r.status_code != 200
+        ]
 
     async def aclose(self) -> None:
         await self._client.aclose()
