@@ -105,26 +105,28 @@ def test_ready_only_when_every_process_is(tmp_path, stubs):
     (it cannot answer; one whose checks have not yet seen a worker come up answers 503),
     process 0 answers 503 and names it; continued, both answer 200."""
     proxy = start_proxy(tmp_path, stubs)
-    pids = {i: body["process"]["pid"] for i, body in processes_seen(proxy).items()}
-    assert all(body["ready"] for body in processes_seen(proxy).values())
-    os.kill(pids[1], signal.SIGSTOP)
     try:
+        pids = {i: body["process"]["pid"] for i, body in processes_seen(proxy).items()}
+        assert all(body["ready"] for body in processes_seen(proxy).values())
+        os.kill(pids[1], signal.SIGSTOP)
+        try:
 
-        def process_0_waits_for_1() -> bool:
-            try:  # a connection the kernel gave to process 1 waits in its backlog
-                r = httpx.get(f"{proxy.url}/ready", timeout=3)
-            except httpx.TimeoutException:
-                return False
-            body = r.json()
-            assert body["process"]["index"] == 0 and r.status_code == 503, r.text
-            return len(body["siblings_not_ready"]) == 1 and not body["ready"]
+            def process_0_waits_for_1() -> bool:
+                try:  # a connection the kernel gave to process 1 waits in its backlog
+                    r = httpx.get(f"{proxy.url}/ready", timeout=3)
+                except httpx.TimeoutException:
+                    return False
+                body = r.json()
+                assert body["process"]["index"] == 0 and r.status_code == 503, r.text
+                return len(body["siblings_not_ready"]) == 1 and not body["ready"]
 
-        assert wait_until(process_0_waits_for_1, timeout=60, interval=0.05)
+            assert wait_until(process_0_waits_for_1, timeout=60, interval=0.05)
+        finally:
+            os.kill(pids[1], signal.SIGCONT)
+        seen = processes_seen(proxy)
+        assert all(body["ready"] and "siblings_not_ready" not in body for body in seen.values())
     finally:
-        os.kill(pids[1], signal.SIGCONT)
-    seen = processes_seen(proxy)
-    assert all(body["ready"] and "siblings_not_ready" not in body for body in seen.values())
-    assert proxy.stop() == 0
+        assert proxy.stop() == 0
 
 
 def test_an_admin_change_reaches_every_process(tmp_path, stubs):
