@@ -37,14 +37,19 @@ def select_backend(
         why = BACKENDS[name].unsupported_reason(device, dtype, block_size)
         if why:
             raise ValueError(f"attention backend {name!r} cannot run here: {why}")
-        backend = TorchPagedBackend(compiled) if name == "torch" else BACKENDS[name]()
+        backend = _torch(device, compiled) if name == "torch" else BACKENDS[name]()
     else:
         why = FlashAttentionBackend.unsupported_reason(device, dtype, block_size)
-        backend = TorchPagedBackend(compiled) if why else FlashAttentionBackend()
+        backend = _torch(device, compiled) if why else FlashAttentionBackend()
         if why:
             logger.info("flash attention not used: %s", why)
     logger.info("attention backend: %s", backend.name)
     return backend
+
+
+def _torch(device: torch.device, compiled: bool) -> TorchPagedBackend:
+    """The compiled path on a CPU decodes with the C kernel (native_decode.py)."""
+    return TorchPagedBackend(compiled, native=compiled and device.type == "cpu")
 
 
 __all__ = ["AttentionBackend", "BACKENDS", "select_backend"]

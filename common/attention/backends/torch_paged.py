@@ -4,11 +4,15 @@ Decodes (one query each) are batched: their blocks are gathered into a padded (B
 and masked by length. Prefill chunks run one sequence at a time with a bottom-right causal mask
 over cached prefix + new tokens; a chunk with no cached prefix attends to its own K/V directly.
 
-With `compiled_decode` (the engine's compiled path), a step's decodes with enough context
-(`FUSED_MIN_TOKENS`) run as one torch.compile'd kernel that reads each context straight from
-the cache by slot and accumulates in float32: no gathered copy of K/V, no mask tensor
-(docs/benchmarks.md: up to 1.5x SDPA on the gathered context in bf16, 3.9x in fp32, at batch
-32). Eager (`--enforce-eager`) keeps SDPA.
+With `native_decode` (the engine's compiled path on a CPU), a step's decodes run as one call
+of the C kernel in native_decode.c: it reads each context from the cache by slot, scores 16
+positions at a time and accumulates in float32 (docs/benchmarks.md, "Decode attention": ~3x
+the compiled kernel below at batch 32). Where it cannot run (no C compiler, a failed build,
+more than 16 query heads a KV head), or with `compiled_decode` alone, a step's decodes with
+enough context (`FUSED_MIN_TOKENS`) run as one torch.compile'd kernel that reads each context
+by slot inside two float32 reductions: no gathered copy of K/V, no mask tensor (up to 1.5x
+SDPA on the gathered context in bf16, 3.9x in fp32, at batch 32). Eager (`--enforce-eager`)
+keeps SDPA.
 """
 
 from __future__ import annotations
@@ -19,16 +23,23 @@ import torch
 import torch.nn.functional as F
 
 from common.attention.backends.base import AttentionBackend, write_kv
+from common.attention.backends.native_decode import NativeDecode, native_decode
 from common.attention.metadata import AttentionMetadata
 
 
 class TorchPagedBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, compiled_decode: bool = False, fused_min_tokens: int | None = None):
+    def __init__(
+        self,
+        compiled_decode: bool = False,
+        fused_min_tokens: int | None = None,
+        native: bool = False,
+    ):
         self.compiled_decode = compiled_decode
         self.fused_min_tokens = FUSED_MIN_TOKENS if fused_min_tokens is None else fused_min_tokens
         self._attend_by_slot = _compiled(_attend_by_slot) if compiled_decode else None
+        self.native: NativeDecode | None = native_decode() if native else None  # built now
 
     def forward(
         self,
@@ -43,7 +54,10 @@ class TorchPagedBackend(AttentionBackend):
         write_kv(kv_cache, key, value, meta.slot_mapping)
         out = torch.empty_like(query)
         nd = meta.num_decodes
-        if self._attend_by_slot is not None and self._fused_pays(meta, nd):
+        if nd and self.native is not None and self.native.supports(query, kv_cache):
+            native = self.native
+            out[:nd] = _decode_native(native, query[:nd], kv_cache, meta, scale, sliding_window)
+        elif self._attend_by_slot is not None and self._fused_pays(meta, nd):
             out[:nd] = _decode_fused(
                 self._attend_by_slot, query[:nd], kv_cache, meta, scale, sliding_window
             )
@@ -138,6 +152,21 @@ def _decode_fused(attend, q, kv_cache, meta: AttentionMetadata, scale, sliding_w
     flat = kv_cache.view(2, -1, heads, dim)
     out = attend(q.view(nd, heads, -1, dim), flat[0], flat[1], slots, lo, hi, scale)
     return out.view(nd, -1, dim)
+
+
+def _decode_native(native: NativeDecode, q, kv_cache, meta: AttentionMetadata, scale, window):
+    """`_decode`'s result from the C kernel: q (B, Hq, D)."""
+    nd = q.shape[0]
+    key = ("native", window)
+    if key not in meta.memo:  # once a step, shared by all layers
+        hi = meta.seq_lens_tensor[:nd]
+        lo = hi.new_zeros(nd) if window is None else (hi - window).clamp(min=0)
+        meta.memo[key] = (meta.block_table[:nd], lo, hi, max(meta.seq_lens[:nd]))
+    table, lo, hi, max_len = meta.memo[key]
+    heads, dim = kv_cache.shape[3:]
+    flat = kv_cache.view(2, -1, heads, dim)
+    block_size = kv_cache.shape[2]
+    return native(q.contiguous(), flat[0], flat[1], table, lo, hi, block_size, max_len, scale)
 
 
 def _compiled(fn):
