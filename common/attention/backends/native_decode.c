@@ -1,13 +1,15 @@
 // Paged decode attention on the CPU: one query per sequence over its cached context.
 //
 // Built and loaded by native_decode.py (gcc -O3 -march=native -fopenmp). One work item is
-// (sequence, KV head): its group of G query heads over positions [lo, hi) of the sequence,
-// read from the cache by slot (block table), in three passes over a float32 score row per
-// query head: scores (q . k, 16 positions at a time, the 16 dot products reduced together),
-// softmax (a vectorized exp), then the weighted sum of V. Accumulation is float32 throughout;
-// bf16 K and Q are multiplied with `vdpbf16ps` (exact products, float32 sums) where the CPU
-// has AVX512-BF16. Every other CPU, and head dims that are not a multiple of 32, take the
-// plain C loops of the same passes.
+// (sequence, KV head): its group of G query heads over positions [lo, hi) of the sequence. The
+// rows' byte offsets in the cache are worked out once from the block table, then three passes
+// over a float32 score row per query head: scores (q . k, 16 positions at a time, the 16 dot
+// products reduced together), softmax (a vectorized exp), and the weighted sum of V (the
+// accumulators of a few query heads held in registers). Float32 accumulation throughout; bf16
+// q and k are multiplied with `vdpbf16ps` (exact products, float32 sums) where the CPU has
+// AVX512-BF16. The next rows are prefetched: the cache is far larger than the CPU's caches, and
+// without it the kernel waited on memory (2.3x slower on a cold cache than on a warm one).
+// Without AVX-512, and for head dims not a multiple of 16 (32 in bf16), plain C loops.
 
 #include <math.h>
 #include <stdint.h>
@@ -18,6 +20,15 @@
 #endif
 #if defined(_OPENMP)
 #include <omp.h>
+#endif
+
+#define MAX_GROUP 16
+#define MAX_DIM 256
+#ifndef PREFETCH_V
+#define PREFETCH_V 32  // V rows requested this many positions ahead
+#endif
+#ifndef PREFETCH_K
+#define PREFETCH_K 32  // K rows requested this many positions ahead (whole tiles)
 #endif
 
 typedef uint16_t bf16_t;
@@ -38,51 +49,61 @@ static inline bf16_t f32_to_bf16(float f) {  // round to nearest even, as torch 
 }
 
 typedef struct {
-    const void *q;             // (B, Hkv * G, D)
-    void *out;                 // (B, Hkv * G, D)
-    const void *k;             // (slots, Hkv, D)
-    const void *v;             // (slots, Hkv, D)
-    const int64_t *table;      // (B, table_stride) block ids
-    const int64_t *lo, *hi;    // (B,) the valid positions [lo, hi) of each context
-    float *scratch;            // (threads, G, max_len) scores
+    const char *q;           // (B, Hkv * G, D)
+    char *out;               // (B, Hkv * G, D)
+    const char *k, *v;       // (slots, Hkv, D)
+    const int64_t *table;    // (B, table_stride) block ids
+    const int64_t *lo, *hi;  // (B,) the valid positions [lo, hi) of each context
     int64_t table_stride, num_kv_heads, group, head_dim, block_size, max_len;
     float scale;
-    int is_bf16;
+    int elem;  // bytes per element: 2 (bf16) or 4 (fp32)
 } Args;
 
-static inline const char *row(const void *base, int64_t slot, int64_t h, const Args *a) {
-    int64_t elem = a->is_bf16 ? 2 : 4;
-    return (const char *)base + ((slot * a->num_kv_heads + h) * a->head_dim) * elem;
+typedef struct {  // one KV head h of sequence b
+    const Args *a;
+    int64_t b, h, n;      // n = hi - lo positions
+    const int64_t *off;   // (n,) byte offset of each position's row (all heads) in k and v
+    int64_t head;         // byte offset of head h in a row
+    int64_t pf_start, pf_bytes;  // what of each row to prefetch: the heads of the work item
+    float *s;             // (G, max_len) scores, then probabilities
+} Item;
+
+static inline float load(const char *p, int64_t i, int elem) {
+    return elem == 2 ? bf16_to_f32(((const bf16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-static inline int64_t slot_of(const Args *a, int64_t b, int64_t pos) {
-    return a->table[b * a->table_stride + pos / a->block_size] * a->block_size + pos % a->block_size;
-}
-
-static inline float load(const void *p, int64_t i, int is_bf16) {
-    return is_bf16 ? bf16_to_f32(((const bf16_t *)p)[i]) : ((const float *)p)[i];
+static void row_offsets(const Args *a, int64_t b, int64_t lo, int64_t hi, int64_t *off) {
+    const int64_t bs = a->block_size, row = a->num_kv_heads * a->head_dim * a->elem;
+    int64_t pos = lo;
+    while (pos < hi) {
+        const int64_t blk = pos / bs, end = (blk + 1) * bs < hi ? (blk + 1) * bs : hi;
+        const int64_t base = a->table[b * a->table_stride + blk] * bs;
+        for (; pos < end; pos++) off[pos - lo] = (base + pos % bs) * row;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Pass 1: scores s[g][pos - lo] = scale * q_g . k_pos
+// Pass 1: scores s[g][i] = scale * q_g . k_i
 
-static void scores_plain(const Args *a, int64_t b, int64_t h, float *s, int64_t lo, int64_t hi) {
+static void scores_plain(const Item *it) {
+    const Args *a = it->a;
     const int64_t G = a->group, D = a->head_dim;
-    for (int64_t pos = lo; pos < hi; pos++) {
-        const char *k = row(a->k, slot_of(a, b, pos), h, a);
+    const char *q = a->q + (it->b * a->num_kv_heads + it->h) * G * D * a->elem;
+    for (int64_t i = 0; i < it->n; i++) {
+        const char *k = a->k + it->off[i] + it->head;
         for (int64_t g = 0; g < G; g++) {
-            const char *q = row(a->q, b * a->num_kv_heads + h, 0, a) + g * D * (a->is_bf16 ? 2 : 4);
             float acc = 0.f;
-            for (int64_t d = 0; d < D; d++) acc += load(q, d, a->is_bf16) * load(k, d, a->is_bf16);
-            s[g * a->max_len + pos - lo] = acc * a->scale;
+            for (int64_t d = 0; d < D; d++)
+                acc += load(q, g * D + d, a->elem) * load(k, d, a->elem);
+            it->s[g * a->max_len + i] = acc * a->scale;
         }
     }
 }
 
 #if defined(__AVX512F__)
-// 16 vectors in, one out: lane i holds the sum of the lanes of v[perm[i]] (a tree of adds
-// over halves; `perm` is fixed, undone by the caller's permute)
-static inline __m512 sum16(__m512 v[16]) {
+// 16 vectors in, one out: lane i holds the sum of the lanes of v[SUM16_ORDER[i]] (a tree of
+// adds over halves; the caller's permute puts the sums in input order)
+static inline __m512 sum16(const __m512 v[16]) {
     __m512 c[8], e[4], f[2];
     for (int i = 0; i < 8; i++)
         c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
@@ -96,7 +117,7 @@ static inline __m512 sum16(__m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_ps(f[0], f[1], 0x88), _mm512_shuffle_ps(f[0], f[1], 0xDD));
 }
 
-static __m512i SUM16_ORDER;  // lane i of sum16's result is the sum of input SUM16_ORDER[i]
+static __m512i SUM16_ORDER;
 
 static void init_sum16_order(void) {
     __m512 v[16];
@@ -108,53 +129,52 @@ static void init_sum16_order(void) {
     SUM16_ORDER = _mm512_loadu_si512(inverse);
 }
 
-#define MAX_DV 8  // head_dim / 16 (bf16: head_dim / 32) registers per row, head_dim <= 128
+static inline void prefetch_row(const char *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
 
-static int scores_avx512(const Args *a, int64_t b, int64_t h, float *s, int64_t lo, int64_t hi) {
-    const int64_t G = a->group, D = a->head_dim;
-    const int bf = a->is_bf16;
-    const int64_t nv = bf ? D / 32 : D / 16;
-    if ((bf ? D % 32 : D % 16) != 0 || nv > MAX_DV || G > 16) return 0;
+// q . k for 16 positions from `tile` (n of them valid), one query head: 64-byte chunks of the
+// row (32 bf16 or 16 fp32 values), nv of them
+static inline __m512 dots16(const char *q, const char *const k[16], int64_t nv, int bf) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) {
+        __m512 x = _mm512_setzero_ps();
+        for (int64_t j = 0; j < nv; j++) {
+#if defined(__AVX512BF16__)
+            if (bf) {
+                x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_loadu_si512(q + j * 64),
+                                     (__m512bh)_mm512_loadu_si512(k[i] + j * 64));
+                continue;
+            }
+#endif
+            x = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * 64), _mm512_loadu_ps(k[i] + j * 64), x);
+        }
+        acc[i] = x;
+    }
+    return _mm512_permutexvar_ps(SUM16_ORDER, sum16(acc));
+}
+
+static int scores_avx512(const Item *it) {
+    const Args *a = it->a;
+    const int64_t G = a->group, D = a->head_dim, bytes = D * a->elem;
+    const int bf = a->elem == 2;
+    if (bytes % 64 != 0) return 0;
 #if !defined(__AVX512BF16__)
     if (bf) return 0;
 #endif
-    __m512 qv[16][MAX_DV];
-    const char *qrow = row(a->q, b * a->num_kv_heads + h, 0, a);
-    for (int64_t g = 0; g < G; g++)
-        for (int64_t j = 0; j < nv; j++)
-            qv[g][j] = _mm512_loadu_ps(qrow + (g * D + j * 16 * (bf ? 2 : 1)) * (bf ? 2 : 4));
+    const char *q = a->q + (it->b * a->num_kv_heads + it->h) * G * bytes;
     const __m512 scale = _mm512_set1_ps(a->scale);
-    for (int64_t i = lo; i < lo + 16 && i < hi; i++) {  // the first tile's rows
-        const char *first = row(a->k, slot_of(a, b, i), h, a);
-        for (int64_t off = 0; off < D * (bf ? 2 : 4); off += 64) _mm_prefetch(first + off, _MM_HINT_T0);
-    }
-    for (int64_t p0 = lo; p0 < hi; p0 += 16) {
-        const int64_t n = hi - p0 < 16 ? hi - p0 : 16;
+    const char *pf = a->k + it->pf_start;
+    for (int64_t i = 0; i < PREFETCH_K && i < it->n; i++) prefetch_row(pf + it->off[i], it->pf_bytes);
+    for (int64_t p0 = 0; p0 < it->n; p0 += 16) {
+        const int64_t n = it->n - p0 < 16 ? it->n - p0 : 16;
         const char *k[16];
-        for (int64_t i = 0; i < 16; i++) k[i] = row(a->k, slot_of(a, b, p0 + (i < n ? i : 0)), h, a);
-        for (int64_t i = p0 + 16; i < p0 + 32 && i < hi; i++) {  // the next tile's rows
-            const char *next = row(a->k, slot_of(a, b, i), h, a);
-            for (int64_t off = 0; off < D * (bf ? 2 : 4); off += 64)
-                _mm_prefetch(next + off, _MM_HINT_T0);
-        }
+        for (int64_t i = 0; i < 16; i++) k[i] = a->k + it->off[p0 + (i < n ? i : 0)] + it->head;
+        for (int64_t i = p0 + PREFETCH_K; i < p0 + PREFETCH_K + 16 && i < it->n; i++)
+            prefetch_row(pf + it->off[i], it->pf_bytes);
         for (int64_t g = 0; g < G; g++) {
-            __m512 acc[16];
-            for (int i = 0; i < 16; i++) {
-                __m512 x = _mm512_setzero_ps();
-                for (int64_t j = 0; j < nv; j++) {
-#if defined(__AVX512BF16__)
-                    if (bf) {
-                        __m512bh kk = (__m512bh)_mm512_loadu_si512(k[i] + j * 64);
-                        x = _mm512_dpbf16_ps(x, (__m512bh)qv[g][j], kk);
-                        continue;
-                    }
-#endif
-                    x = _mm512_fmadd_ps(qv[g][j], _mm512_loadu_ps(k[i] + j * 64), x);
-                }
-                acc[i] = x;
-            }
-            __m512 r = _mm512_mul_ps(_mm512_permutexvar_ps(SUM16_ORDER, sum16(acc)), scale);
-            _mm512_mask_storeu_ps(s + g * a->max_len + p0 - lo, (__mmask16)((1u << n) - 1), r);
+            __m512 r = _mm512_mul_ps(dots16(q + g * bytes, k, bytes / 64, bf), scale);
+            _mm512_mask_storeu_ps(it->s + g * a->max_len + p0, (__mmask16)((1u << n) - 1), r);
         }
     }
     return 1;
@@ -208,55 +228,102 @@ static float softmax_row(float *s, int64_t n) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Pass 3: out_g = sum_pos p[g][pos] v_pos / sum_g
+// Pass 3: acc_g = sum_i p[g][i] v_i (not yet divided by the sum)
 
-#define PREFETCH_V 8  // V rows requested this many positions ahead
-
-static void weighted_v(const Args *a, int64_t b, int64_t h, const float *s, int64_t lo,
-                       int64_t hi, const float *sums) {
-    const int64_t G = a->group, D = a->head_dim, bf = a->is_bf16;
-    char *out = (char *)a->out + ((b * a->num_kv_heads + h) * G * D) * (bf ? 2 : 4);
-    float acc[16 * 256];
-    if (G > 16 || D > 256) return;
-    memset(acc, 0, sizeof(float) * G * D);
 #if defined(__AVX512F__)
-    if (D % 16 == 0) {
-        const int64_t bytes = D * (bf ? 2 : 4);
-        for (int64_t pos = lo; pos < hi && pos < lo + PREFETCH_V; pos++)
-            for (int64_t off = 0; off < bytes; off += 64)
-                _mm_prefetch(row(a->v, slot_of(a, b, pos), h, a) + off, _MM_HINT_T0);
-        for (int64_t pos = lo; pos < hi; pos++) {
-            const char *v = row(a->v, slot_of(a, b, pos), h, a);
-            if (pos + PREFETCH_V < hi) {
-                const char *next = row(a->v, slot_of(a, b, pos + PREFETCH_V), h, a);
-                for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
-            }
-            for (int64_t j = 0; j < D; j += 16) {
-                __m512 vv = bf ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                         (const __m256i *)(v + j * 2))), 16))
-                               : _mm512_loadu_ps(v + j * 4);
-                for (int64_t g = 0; g < G; g++) {
-                    __m512 w = _mm512_set1_ps(s[g * a->max_len + pos - lo]);
-                    float *o = acc + g * D + j;
-                    _mm512_storeu_ps(o, _mm512_fmadd_ps(w, vv, _mm512_loadu_ps(o)));
-                }
-            }
-        }
-    } else
-#endif
-    for (int64_t pos = lo; pos < hi; pos++) {
-        const char *v = row(a->v, slot_of(a, b, pos), h, a);
-        for (int64_t g = 0; g < G; g++) {
-            float w = s[g * a->max_len + pos - lo];
-            for (int64_t d = 0; d < D; d++) acc[g * D + d] += w * load(v, d, bf);
+static inline __m512 load16(const char *p, int bf) {  // 16 values as float32
+    if (!bf) return _mm512_loadu_ps(p);
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// query heads [g0, g0 + GC) at once, head dim 16 * NV: GC * NV accumulators in registers when
+// both are constants (the dispatch below inlines it for each pair)
+static inline __attribute__((always_inline)) void weighted_v_block(const Item *it, float *acc,
+                                                                   int64_t g0, int GC, int NV) {
+    const Args *a = it->a;
+    const int bf = a->elem == 2;
+    __m512 r[6][8];
+    for (int g = 0; g < GC; g++)
+        for (int j = 0; j < NV; j++) r[g][j] = _mm512_setzero_ps();
+    const char *pf = a->v + it->pf_start;
+    for (int64_t i = 0; i < PREFETCH_V && i < it->n; i++) prefetch_row(pf + it->off[i], it->pf_bytes);
+    for (int64_t i = 0; i < it->n; i++) {
+        if (i + PREFETCH_V < it->n) prefetch_row(pf + it->off[i + PREFETCH_V], it->pf_bytes);
+        const char *v = a->v + it->off[i] + it->head;
+        __m512 w[6];
+        for (int g = 0; g < GC; g++) w[g] = _mm512_set1_ps(it->s[(g0 + g) * a->max_len + i]);
+        for (int j = 0; j < NV; j++) {
+            __m512 x = load16(v + j * 16 * a->elem, bf);
+            for (int g = 0; g < GC; g++) r[g][j] = _mm512_fmadd_ps(w[g], x, r[g][j]);
         }
     }
+    for (int g = 0; g < GC; g++)
+        for (int j = 0; j < NV; j++) _mm512_storeu_ps(acc + (g0 + g) * 16 * NV + j * 16, r[g][j]);
+}
+
+#define BLOCK_CASE(GC, NV) \
+    case (GC) * 16 + (NV): \
+        weighted_v_block(it, acc, g0, GC, NV); \
+        break;
+
+static int weighted_v_avx512(const Item *it, float *acc) {
+    const int64_t G = it->a->group, D = it->a->head_dim;
+    if (D % 16 != 0 || D / 16 > 8) return 0;
+    const int NV = (int)(D / 16), step = NV <= 2 ? 6 : NV <= 4 ? 4 : 2;  // <= 24 accumulators
+    for (int64_t g0 = 0; g0 < G; g0 += step) {
+        const int GC = (int)(G - g0 < step ? G - g0 : step);
+        switch (GC * 16 + NV) {
+            BLOCK_CASE(1, 1) BLOCK_CASE(2, 1) BLOCK_CASE(3, 1) BLOCK_CASE(4, 1) BLOCK_CASE(5, 1)
+            BLOCK_CASE(6, 1) BLOCK_CASE(1, 2) BLOCK_CASE(2, 2) BLOCK_CASE(3, 2) BLOCK_CASE(4, 2)
+            BLOCK_CASE(5, 2) BLOCK_CASE(6, 2) BLOCK_CASE(1, 3) BLOCK_CASE(2, 3) BLOCK_CASE(3, 3)
+            BLOCK_CASE(4, 3) BLOCK_CASE(1, 4) BLOCK_CASE(2, 4) BLOCK_CASE(3, 4) BLOCK_CASE(4, 4)
+            BLOCK_CASE(1, 5) BLOCK_CASE(2, 5) BLOCK_CASE(1, 6) BLOCK_CASE(2, 6) BLOCK_CASE(1, 7)
+            BLOCK_CASE(2, 7) BLOCK_CASE(1, 8) BLOCK_CASE(2, 8)
+            default:
+                return 0;
+        }
+    }
+    return 1;
+}
+#endif
+
+static void weighted_v_plain(const Item *it, float *acc) {
+    const Args *a = it->a;
+    const int64_t G = a->group, D = a->head_dim;
+    memset(acc, 0, sizeof(float) * G * D);
+    for (int64_t i = 0; i < it->n; i++) {
+        const char *v = a->v + it->off[i] + it->head;
+        for (int64_t g = 0; g < G; g++) {
+            const float w = it->s[g * a->max_len + i];
+            for (int64_t d = 0; d < D; d++) acc[g * D + d] += w * load(v, d, a->elem);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+static void attend_head(Item *it) {
+    const Args *a = it->a;
+    const int64_t G = a->group, D = a->head_dim;
+    int done = 0;
+#if defined(__AVX512F__)
+    done = scores_avx512(it);
+#endif
+    if (!done) scores_plain(it);
+    float sums[MAX_GROUP], acc[MAX_GROUP * MAX_DIM];
+    for (int64_t g = 0; g < G; g++) sums[g] = softmax_row(it->s + g * a->max_len, it->n);
+    done = 0;
+#if defined(__AVX512F__)
+    done = weighted_v_avx512(it, acc);
+#endif
+    if (!done) weighted_v_plain(it, acc);
+    char *out = a->out + (it->b * a->num_kv_heads + it->h) * G * D * a->elem;
     for (int64_t g = 0; g < G; g++) {
-        float inv = 1.f / sums[g];
+        const float inv = 1.f / sums[g];
         for (int64_t d = 0; d < D; d++) {
-            float x = acc[g * D + d] * inv;
-            if (bf)
+            const float x = acc[g * D + d] * inv;
+            if (a->elem == 2)
                 ((bf16_t *)out)[g * D + d] = f32_to_bf16(x);
             else
                 ((float *)out)[g * D + d] = x;
@@ -264,18 +331,24 @@ static void weighted_v(const Args *a, int64_t b, int64_t h, const float *s, int6
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-
-static void attend_one(const Args *a, int64_t b, int64_t h, float *s) {
+// KV heads [h0, h1) of sequence b, one after the other; the first one's passes prefetch the
+// rows of all of them (a block's rows are contiguous), so the others read them from the cache
+static void attend(const Args *a, int64_t b, int64_t h0, int64_t h1, float *scratch) {
     const int64_t lo = a->lo[b], hi = a->hi[b], G = a->group;
-    int done = 0;
-#if defined(__AVX512F__)
-    done = scores_avx512(a, b, h, s, lo, hi);
-#endif
-    if (!done) scores_plain(a, b, h, s, lo, hi);
-    float sums[16];
-    for (int64_t g = 0; g < G; g++) sums[g] = softmax_row(s + g * a->max_len, hi - lo);
-    weighted_v(a, b, h, s, lo, hi, sums);
+    const int64_t bytes = a->head_dim * a->elem;
+    int64_t *off = (int64_t *)(scratch + G * a->max_len + (G * a->max_len) % 2);
+    row_offsets(a, b, lo, hi, off);
+    for (int64_t h = h0; h < h1; h++) {
+        const int first = h == h0;
+        Item it = {a, b, h, hi - lo, off, h * bytes, first ? h0 * bytes : h * bytes,
+                   first ? (h1 - h0) * bytes : bytes, scratch};
+        attend_head(&it);
+    }
+}
+
+// floats of scratch each thread needs: the scores and the row offsets
+int64_t pdserve_decode_attention_scratch(int64_t group, int64_t max_len) {
+    return group * max_len + (group * max_len) % 2 + 2 * max_len;
 }
 
 int pdserve_decode_attention(const void *q, void *out, const void *k, const void *v,
@@ -284,16 +357,21 @@ int pdserve_decode_attention(const void *q, void *out, const void *k, const void
                              int64_t num_kv_heads, int64_t group, int64_t head_dim,
                              int64_t block_size, int64_t max_len, float scale, int is_bf16,
                              int threads) {
-    if (group > 16 || head_dim > 256) return -1;
-    Args a = {q, out, k, v, table, lo, hi, scratch, table_stride, num_kv_heads, group,
-              head_dim, block_size, max_len, scale, is_bf16};
+    if (group > MAX_GROUP || head_dim > MAX_DIM) return -1;
+    Args a = {q, out, k, v, table, lo, hi, table_stride, num_kv_heads, group, head_dim,
+              block_size, max_len, scale, is_bf16 ? 2 : 4};
+    const int64_t per_thread = pdserve_decode_attention_scratch(group, max_len);
+    // a work item is a whole sequence when there are enough of them to share out, else a head
+    const int64_t heads = batch >= 4 * threads ? num_kv_heads : 1;
+    const int64_t per_seq = num_kv_heads / heads;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t item = 0; item < batch * num_kv_heads; item++) {
+    for (int64_t item = 0; item < batch * per_seq; item++) {
         int tid = 0;
 #if defined(_OPENMP)
         tid = omp_get_thread_num();
 #endif
-        attend_one(&a, item / num_kv_heads, item % num_kv_heads, scratch + tid * group * max_len);
+        const int64_t b = item / per_seq, h0 = item % per_seq * heads;
+        attend(&a, b, h0, h0 + heads, scratch + tid * per_thread);
     }
     return 0;
 }

@@ -40,6 +40,8 @@ class NativeDecode:
         fn.argtypes += [ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._fn = fn
+        self._scratch_floats = lib.pdserve_decode_attention_scratch
+        self._scratch_floats.argtypes, self._scratch_floats.restype = [i64, i64], i64
         self._scratch = torch.empty(0)
 
     @staticmethod
@@ -62,7 +64,7 @@ class NativeDecode:
         kv_heads = k_flat.shape[1]
         group = heads // kv_heads
         threads = torch.get_num_threads()
-        need = threads * group * max_len
+        need = threads * self._scratch_floats(group, max_len)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(max(need, 2 * self._scratch.numel()))
         out = torch.empty_like(q)
