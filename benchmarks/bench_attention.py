@@ -1,15 +1,18 @@
-"""Decode attention per layer call: SDPA on the gathered context vs the compiled kernel.
+"""Decode attention per layer call: SDPA on the gathered context, the compiled kernel and the C one.
 
-The torch backend's two decode paths (common/attention/backends/torch_paged.py) on SmolLM2's
+The torch backend's three decode paths (common/attention/backends/torch_paged.py) on SmolLM2's
 head shapes (9 query heads, 3 KV heads, head dim 64), a batch of B decodes whose contexts of
 L tokens lie in shuffled 16-token blocks, through `TorchPagedBackend.forward` as a layer calls
 it (the KV write included):
 - `sdpa`: `--enforce-eager`'s path, index_select of K and V, then SDPA with a length mask;
-- `fused`: the compiled path's kernel, reading K/V by slot inside two fp32 reductions.
-Both run in the same process, interleaved rep by rep; the table gives medians (µs), their
-ratio, and each path's largest error against a float64 reference.
+- `fused`: the torch.compile'd kernel, reading K/V by slot inside two fp32 reductions;
+- `native`: the C kernel (native_decode.c), the compiled path's choice on a CPU.
+All run in the same process, interleaved rep by rep; the table gives medians (µs), the ratios
+to `native`, and each path's largest error against a float64 reference. `--cold` streams 64 MB
+through the caches before every call, as a layer meets its KV in a real step (the other layers'
+weights and KV pass through the caches in between).
 
-    python benchmarks/bench_attention.py [--dtype float32 bfloat16] [--batch 2 8 32]
+    python benchmarks/bench_attention.py [--dtype float32 bfloat16] [--batch 2 8 32] [--cold]
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def reference(meta, q, cache) -> torch.Tensor:
     return torch.stack(out)
 
 
-def measure(paths: dict, batch: int, context: int, dtype: torch.dtype, reps: int) -> dict:
+def measure(paths: dict, batch: int, context: int, dtype: torch.dtype, reps: int, cold) -> dict:
     meta, q, k, v, cache = decode_batch(batch, context, dtype)
     times: dict[str, list[float]] = {name: [] for name in paths}
     row: dict[str, float] = {}
@@ -77,10 +80,14 @@ def measure(paths: dict, batch: int, context: int, dtype: torch.dtype, reps: int
         row[f"{name} err"] = (out.double() - want).abs().max().item()
     for _ in range(reps):
         for name, backend in paths.items():
-            start = time.perf_counter()
+            took = 0.0
             for _ in range(10):
+                if cold is not None:
+                    cold.add_(1)
+                start = time.perf_counter()
                 backend.forward(q, k, v, cache, meta, DIM**-0.5, None)
-            times[name].append((time.perf_counter() - start) / 10 * 1e6)
+                took += time.perf_counter() - start
+            times[name].append(took / 10 * 1e6)
     for name in paths:
         row[name] = statistics.median(times[name])
     return row
@@ -94,18 +101,31 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[2, 8, 32])
     parser.add_argument("--context", type=int, nargs="+", default=[160, 600, 2000])
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--cold", action="store_true", help="evict the caches before each call")
     args = parser.parse_args()
+    cold = torch.empty(64 << 20, dtype=torch.uint8) if args.cold else None
     print(f"{torch.get_num_threads()} threads; µs per layer call, median of {args.reps}")
-    print("| dtype | batch | context | sdpa µs | fused µs | sdpa / fused | sdpa err | fused err |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"caches: {'evicted before each call' if args.cold else 'warm'}")
+    print(
+        "| dtype | batch | context | sdpa µs | fused µs | native µs | sdpa / native "
+        "| fused / native | sdpa err | fused err | native err |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for dtype in args.dtype:
-        paths = {"sdpa": TorchPagedBackend(), "fused": TorchPagedBackend(True, fused_min_tokens=0)}
+        paths = {
+            "sdpa": TorchPagedBackend(),
+            "fused": TorchPagedBackend(True, fused_min_tokens=0),
+            "native": TorchPagedBackend(native=True),
+        }
+        assert paths["native"].native is not None, "the C kernel did not build here"
         for batch in args.batch:
             for context in args.context:
-                r = measure(paths, batch, context, getattr(torch, dtype), args.reps)
+                r = measure(paths, batch, context, getattr(torch, dtype), args.reps, cold)
                 print(
                     f"| {dtype} | {batch} | {context} | {r['sdpa']:.0f} | {r['fused']:.0f} | "
-                    f"{r['sdpa'] / r['fused']:.2f} | {r['sdpa err']:.1e} | {r['fused err']:.1e} |"
+                    f"{r['native']:.0f} | {r['sdpa'] / r['native']:.2f} | "
+                    f"{r['fused'] / r['native']:.2f} | {r['sdpa err']:.1e} | "
+                    f"{r['fused err']:.1e} | {r['native err']:.1e} |"
                 )
 
 

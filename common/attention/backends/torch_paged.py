@@ -4,15 +4,14 @@ Decodes (one query each) are batched: their blocks are gathered into a padded (B
 and masked by length. Prefill chunks run one sequence at a time with a bottom-right causal mask
 over cached prefix + new tokens; a chunk with no cached prefix attends to its own K/V directly.
 
-With `native_decode` (the engine's compiled path on a CPU), a step's decodes run as one call
-of the C kernel in native_decode.c: it reads each context from the cache by slot, scores 16
-positions at a time and accumulates in float32 (docs/benchmarks.md, "Decode attention": ~3x
-the compiled kernel below at batch 32). Where it cannot run (no C compiler, a failed build,
-more than 16 query heads a KV head), or with `compiled_decode` alone, a step's decodes with
-enough context (`FUSED_MIN_TOKENS`) run as one torch.compile'd kernel that reads each context
-by slot inside two float32 reductions: no gathered copy of K/V, no mask tensor (up to 1.5x
-SDPA on the gathered context in bf16, 3.9x in fp32, at batch 32). Eager (`--enforce-eager`)
-keeps SDPA.
+With `native` (the engine's compiled path on a CPU), a step's decodes run as one call of the
+C kernel in native_decode.c: it reads each context from the cache by slot, prefetching rows
+ahead, scores 16 positions at a time and accumulates in float32 (docs/benchmarks.md, "Decode
+attention in C"). A shape it does not take (more than 16 query heads a KV head) falls back to
+SDPA. Without it (no C compiler, a failed build), `compiled_decode` runs a step's decodes with
+enough context (`FUSED_MIN_TOKENS`) as one torch.compile'd kernel that reads each context by
+slot inside two float32 reductions: no gathered copy of K/V, no mask tensor (up to 1.5x SDPA on
+the gathered context in bf16, 3.9x in fp32, at batch 32). Eager (`--enforce-eager`) keeps SDPA.
 """
 
 from __future__ import annotations
@@ -38,8 +37,9 @@ class TorchPagedBackend(AttentionBackend):
     ):
         self.compiled_decode = compiled_decode
         self.fused_min_tokens = FUSED_MIN_TOKENS if fused_min_tokens is None else fused_min_tokens
-        self._attend_by_slot = _compiled(_attend_by_slot) if compiled_decode else None
         self.native: NativeDecode | None = native_decode() if native else None  # built now
+        fused = compiled_decode and self.native is None  # not compiled where the C kernel runs
+        self._attend_by_slot = _compiled(_attend_by_slot) if fused else None
 
     def forward(
         self,
