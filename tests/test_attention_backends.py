@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from common.attention.backends import native_decode as native_decode_module
 from common.attention.backends import select_backend
 from common.attention.backends.flash import FlashAttentionBackend
 from common.attention.backends.torch_paged import TorchPagedBackend, _attend_by_slot, _compiled
@@ -189,6 +190,37 @@ def test_the_compiled_path_on_cpu_decodes_with_the_c_kernel(monkeypatch):
     )
     assert calls == [batch.meta.num_decodes]
     assert (out.double() - expected_output(batch, None)).abs().max().item() < 1e-5
+
+
+def test_native_decode_refuses_what_it_would_misread():
+    """The kernel reads int64 block ids by pointer: an int32 table is refused, not misread."""
+    batch = build_batch(DECODES_ONLY, block_size=4)
+    native = TorchPagedBackend(native=True).native
+    flat = batch.kv_cache.view(2, -1, NUM_KV_HEADS, HEAD_DIM)
+    hi = batch.meta.seq_lens_tensor
+    q = batch.query[: batch.meta.num_decodes]
+    with pytest.raises(TypeError, match="int64"):
+        native(q, flat[0], flat[1], batch.meta.block_table.int(), hi * 0, hi, 4, 40, SCALE)
+
+
+def test_without_a_compiler_the_compiled_kernel_decodes(monkeypatch, tmp_path):
+    """No C compiler (CC names none): the kernel is not built, and the compiled path keeps the
+    torch.compile'd decode kernel, with the same answers."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))  # nothing built here before
+    native_decode_module.load.cache_clear()
+    try:
+        backend = select_backend(torch.device("cpu"), torch.float32, 4, compiled=True)
+    finally:
+        native_decode_module.load.cache_clear()
+    assert backend.native is None and backend._attend_by_slot is not None
+    batch = build_batch(MIXED, block_size=4)
+    backend.fused_min_tokens = 0
+    out = backend.forward(
+        batch.query, batch.key, batch.value, batch.kv_cache, batch.meta, SCALE, None
+    )
+    assert (out.double() - expected_output(batch, None)).abs().max().item() < 1e-5
+    assert not list(tmp_path.iterdir())  # nothing was built
 
 
 def test_kv_lands_at_slot_mapping():

@@ -60,6 +60,8 @@ class NativeDecode:
         """q (B, Hq, D) contiguous; k/v_flat (slots, Hkv, D) of the same dtype, contiguous;
         table (B, *) int64 block ids, rows contiguous; lo/hi (B,) int64: each context's
         positions [lo, hi), `max_len` >= every hi - lo. Returns (B, Hq, D)."""
+        if not all(t.dtype == torch.int64 and t.is_contiguous() for t in (table[0], lo, hi)):
+            raise TypeError("block table, lo and hi must be contiguous int64 tensors")
         batch, heads, dim = q.shape
         kv_heads = k_flat.shape[1]
         group = heads // kv_heads
@@ -117,7 +119,11 @@ def load() -> ctypes.CDLL | None:
                 logger.warning("decode attention kernel did not build:\n%s", run.stderr[-2000:])
                 return None
             os.replace(built, target)  # atomic: another process may be building it too
-    lib = ctypes.CDLL(str(target))
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as e:
+        logger.warning("decode attention kernel did not load: %s", e)
+        return None
     lib.pdserve_decode_attention_init()
     return lib
 
