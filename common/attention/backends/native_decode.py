@@ -1,35 +1,21 @@
-"""The CPU decode attention kernel (native_decode.c), built with the system's C compiler.
+"""The CPU decode attention kernel (native_decode.c), built at start-up (common/native/build.py).
 
-`load()` compiles the C file once per source and CPU (`gcc -O3 -march=native -fopenmp`) into
-`$PDSERVE_CACHE_DIR/kernels` (~1 s; the compose files keep that folder in their cache volume)
-and returns a `NativeDecode`, or None where there is no compiler or the build fails: the caller
-keeps its torch path. The library links the libgomp that torch loaded (same soname), so its
-threads are torch's OpenMP pool, not a second one competing for the cores; ctypes drops the GIL
-for the call.
+`native_decode()` returns a `NativeDecode` around the built library, or None where it could not
+be built or loaded: the caller keeps its torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from common.model.default_model import cache_dir
+from common.native.build import load_library
 
 SOURCE = Path(__file__).with_suffix(".c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the kernel's bounds; larger shapes keep the torch path
-
-logger = logging.getLogger(__name__)
 
 
 class NativeDecode:
@@ -103,36 +89,7 @@ def native_decode() -> NativeDecode | None:
 @cache
 def load() -> ctypes.CDLL | None:
     """The built library, or None (no compiler, a failed build): logged once."""
-    compiler = shutil.which(os.environ.get("CC", "gcc"))
-    if compiler is None:
-        logger.warning("no C compiler: decode attention keeps the torch kernel")
-        return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_id()).hexdigest()
-    target = cache_dir() / "kernels" / f"native_decode-{key[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            cmd = [compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"]
-            run = subprocess.run(cmd, capture_output=True, text=True)
-            if run.returncode != 0:
-                logger.warning("decode attention kernel did not build:\n%s", run.stderr[-2000:])
-                return None
-            os.replace(built, target)  # atomic: another process may be building it too
-    try:
-        lib = ctypes.CDLL(str(target))
-    except OSError as e:
-        logger.warning("decode attention kernel did not load: %s", e)
-        return None
-    lib.pdserve_decode_attention_init()
+    lib = load_library(SOURCE)
+    if lib is not None:
+        lib.pdserve_decode_attention_init()
     return lib
-
-
-def _cpu_id() -> bytes:
-    """What -march=native depends on: the CPU's model and flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor().encode()
-    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(lines))).encode()

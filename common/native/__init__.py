@@ -1,0 +1,1 @@
+"""C kernels for the CPU, built with the system's compiler at start-up (common/native/build.py)."""
