@@ -1,7 +1,7 @@
 // y (M, N) = x (M, K) . w (N, K)^T (+ bias) for the few rows of a decode step (M <= 4).
 //
 // Built and loaded by common/native/build.py; called from packed_linear.py. At one or two rows
-// a linear layer only streams its weight, and oneDNN's packed GEMM reached 14-17 GB/s of the
+// a linear layer only streams its weight, and oneDNN's packed GEMM read it at 16-19 GB/s of the
 // ~33 GB/s this box reads: here each thread streams its own run of weight rows, 16 rows at a
 // time, their 16 dot products reduced by one tree of shuffles. bf16 products with `vdpbf16ps`
 // (exact, float32 sums), float32 with FMAs; the output rounded to bf16 to nearest even. Needs
@@ -14,25 +14,11 @@
 #include <immintrin.h>
 #endif
 
+#include "../native/sum16.h"
+
 #define MAX_ROWS 4
 
 #if defined(__AVX512F__)
-static inline __m512 sum16(const __m512 v[16]) {  // lane i: the sum of v[ORDER[i]]'s lanes
-    __m512 c[8], e[4], f[2];
-    for (int i = 0; i < 8; i++)
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++)
-        e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; i++)
-        f[i] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * i], e[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(e[2 * i], e[2 * i + 1], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_ps(f[0], f[1], 0x88), _mm512_shuffle_ps(f[0], f[1], 0xDD));
-}
-
-static __m512i ORDER;
-
 static inline __m512 dot_chunk(__m512 acc, const char *x, const char *w, int bf) {
 #if defined(__AVX512BF16__)
     if (bf)
@@ -56,7 +42,7 @@ static void tile(const char *x, const char *w, const char *bias, char *y, int64_
             for (int64_t j = 0; j < chunks; j++) a = dot_chunk(a, xm + j * 64, wr + j * 64, bf);
             acc[i] = a;
         }
-        __m512 r = _mm512_permutexvar_ps(ORDER, sum16(acc));
+        __m512 r = sum16_ordered(acc);
         const __mmask16 mask = (__mmask16)((1u << count) - 1);
         if (bias != NULL) {
             __m512 b = bf ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
@@ -90,13 +76,7 @@ int pdserve_gemv_supports(int is_bf16) {
 
 void pdserve_gemv_init(void) {
 #if defined(__AVX512F__)
-    __m512 v[16];
-    for (int i = 0; i < 16; i++) v[i] = _mm512_set1_ps((float)i);
-    float got[16];
-    _mm512_storeu_ps(got, sum16(v));
-    int32_t inverse[16];
-    for (int lane = 0; lane < 16; lane++) inverse[(int)(got[lane] / 16.f + 0.5f)] = lane;
-    ORDER = _mm512_loadu_si512(inverse);
+    sum16_init();
 #endif
 }
 

@@ -4,7 +4,8 @@
 files keep that folder in their cache volume); None where there is no compiler, the build fails
 or the library does not load, each logged: the caller keeps its torch path. A library links the
 libgomp that torch loaded (same soname), so its threads are torch's OpenMP pool, not a second
-one competing for the cores; ctypes drops the GIL for a call.
+one competing for the cores; ctypes drops the GIL for a call. The kernels share the headers
+in this folder (`#include "../native/sum16.h"` from common/model/, and so on).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from common.model.default_model import cache_dir
 
+HEADERS = Path(__file__).parent  # sum16.h: included by the kernels
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 logger = logging.getLogger(__name__)
@@ -31,7 +33,9 @@ def load_library(source: Path) -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler: %s not built, the torch path runs", source.name)
         return None
-    key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode() + _cpu_id()).hexdigest()
+    headers = b"".join(h.read_bytes() for h in sorted(HEADERS.glob("*.h")))  # what it includes
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join(FLAGS).encode() + _cpu_id())
+    key = key.hexdigest()
     target = cache_dir() / "kernels" / f"{source.stem}-{key[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

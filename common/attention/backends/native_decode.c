@@ -22,6 +22,8 @@
 #include <omp.h>
 #endif
 
+#include "../../native/sum16.h"
+
 #define MAX_GROUP 16
 #define MAX_DIM 256
 #ifndef PREFETCH_V
@@ -101,34 +103,6 @@ static void scores_plain(const Item *it) {
 }
 
 #if defined(__AVX512F__)
-// 16 vectors in, one out: lane i holds the sum of the lanes of v[SUM16_ORDER[i]] (a tree of
-// adds over halves; the caller's permute puts the sums in input order)
-static inline __m512 sum16(const __m512 v[16]) {
-    __m512 c[8], e[4], f[2];
-    for (int i = 0; i < 8; i++)
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++)
-        e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; i++)
-        f[i] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * i], e[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(e[2 * i], e[2 * i + 1], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_ps(f[0], f[1], 0x88), _mm512_shuffle_ps(f[0], f[1], 0xDD));
-}
-
-static __m512i SUM16_ORDER;
-
-static void init_sum16_order(void) {
-    __m512 v[16];
-    for (int i = 0; i < 16; i++) v[i] = _mm512_set1_ps((float)i);
-    float got[16];
-    _mm512_storeu_ps(got, sum16(v));
-    int32_t inverse[16];  // input i's sum sits in lane inverse[i]
-    for (int lane = 0; lane < 16; lane++) inverse[(int)(got[lane] / 16.f + 0.5f)] = lane;
-    SUM16_ORDER = _mm512_loadu_si512(inverse);
-}
-
 static inline void prefetch_row(const char *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
@@ -151,7 +125,7 @@ static inline __m512 dots16(const char *q, const char *const k[16], int64_t nv, 
         }
         acc[i] = x;
     }
-    return _mm512_permutexvar_ps(SUM16_ORDER, sum16(acc));
+    return sum16_ordered(acc);
 }
 
 static int scores_avx512(const Item *it) {
@@ -378,7 +352,7 @@ int pdserve_decode_attention(const void *q, void *out, const void *k, const void
 
 int pdserve_decode_attention_init(void) {
 #if defined(__AVX512F__)
-    init_sum16_order();
+    sum16_init();
     return 1;
 #else
     return 0;
