@@ -28,7 +28,14 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from common.engine.llm import LLM
 from common.engine.sampling_params import SamplingParams
 
-GEMM_OPS = ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "mkldnn::_linear_pointwise")
+GEMM_OPS = (
+    "aten::linear",
+    "aten::addmm",
+    "aten::mm",
+    "aten::matmul",
+    "mkldnn::_linear_pointwise",
+    "pdserve::packed_linear",  # oneDNN inside, or the C GEMV (no op of its own) at 1-2 rows
+)
 # containers and dispatch wrappers: their own time is overhead, their children are counted
 WRAPPERS = ("Torch-Compiled Region", "TorchDynamo Cache Lookup", "Pregraph bytecode", "AOTDispatch")
 FORWARD_PARTS = ("gemm", "attention", "norm/rope/act/other", "python overhead")
