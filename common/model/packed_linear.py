@@ -84,11 +84,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     """x (M, K) @ weight (N, K)^T + bias with the C kernel; None where it does not run (no
     kernel, a dtype or shape it does not take: the caller runs oneDNN)."""
     lib = _gemv_library()
-    if lib is None or x.dtype != weight.dtype or x.dtype not in _DTYPES:
+    if lib is None or x.dtype != weight.dtype or x.dtype not in _supported_dtypes(lib):
         return None
     if not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
-        return None
-    if not lib.pdserve_gemv_supports(int(x.dtype == torch.bfloat16)):
         return None
     x = x.contiguous()
     y = x.new_empty(x.shape[0], weight.shape[0])
@@ -106,7 +104,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     return y if rc == 0 else None
 
 
-_DTYPES = (torch.float32, torch.bfloat16)
+@cache
+def _supported_dtypes(lib: ctypes.CDLL) -> tuple[torch.dtype, ...]:
+    """What the kernel runs on this CPU: asked once, not on every call."""
+    dtypes = (torch.float32, torch.bfloat16)
+    return tuple(d for d in dtypes if lib.pdserve_gemv_supports(int(d == torch.bfloat16)))
 
 
 @cache

@@ -46,7 +46,9 @@ class NativeDecode:
         """q (B, Hq, D) contiguous; k/v_flat (slots, Hkv, D) of the same dtype, contiguous;
         table (B, *) int64 block ids, rows contiguous; lo/hi (B,) int64: each context's
         positions [lo, hi), `max_len` >= every hi - lo. Returns (B, Hq, D)."""
-        if not all(t.dtype == torch.int64 and t.is_contiguous() for t in (table[0], lo, hi)):
+        if not (table.stride(-1) == 1 and lo.is_contiguous() and hi.is_contiguous()) or any(
+            t.dtype != torch.int64 for t in (table, lo, hi)
+        ):
             raise TypeError("block table, lo and hi must be contiguous int64 tensors")
         batch, heads, dim = q.shape
         kv_heads = k_flat.shape[1]
