@@ -34,7 +34,8 @@ GEMM_OPS = (
     "aten::mm",
     "aten::matmul",
     "mkldnn::_linear_pointwise",
-    "pdserve::packed_linear",  # oneDNN inside, or the C GEMV (no op of its own) at 1-2 rows
+    "pdserve::packed_linear",  # oneDNN inside
+    "pdserve::skinny_linear",  # the C kernel (skinny_gemm.c), no op of its own inside
 )
 # containers and dispatch wrappers: their own time is overhead, their children are counted
 WRAPPERS = ("Torch-Compiled Region", "TorchDynamo Cache Lookup", "Pregraph bytecode", "AOTDispatch")

@@ -1,7 +1,7 @@
-"""The linear layer of the compiled path on a CPU (common/model/packed_linear.py): oneDNN on a
-packed weight, and at one or two rows the C GEMV kernel (common/model/gemv.c) on the original
-weight. Both against float64; the op takes the kernel at <= 2 rows and oneDNN above; without
-the kernel (or where the CPU lacks what it needs) oneDNN runs every shape."""
+"""The linear layer of the compiled path on a CPU (common/model/packed_linear.py): the C kernel
+in common/model/skinny_gemm.c on its packed weight where it runs, oneDNN on its own packed
+weight elsewhere. Both against float64; a row's result from the kernel does not depend on the
+rows batched with it; without the kernel (or for a shape it does not pack) oneDNN runs."""
 
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ import torch
 import torch.nn.functional as F
 
 import common.model.packed_linear as pl
-from common.model.packed_linear import PackedLinear, can_pack, gemv
+from common.model.packed_linear import PackedLinear, can_pack, skinny_gemm, skinny_pack
 
-SHAPES = [(960, 576), (37, 64), (5, 1536), (3072, 576)]  # N, K: N not a multiple of 16 too
-TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 8e-3}  # relative to the largest output
+# N, K: N not a multiple of 16, K of 16 or 32 values, K long
+SHAPES = [(960, 576), (37, 64), (5, 1536), (3072, 576), (20, 18)]
+ROWS = [1, 2, 5, 7, 33, 200]  # partial micro-tiles (6 rows), more than a pass (192 rows)
+# relative to the largest output: float32 sums up to 1536 products in order (~sqrt(K) roundings)
+TOLERANCE = {torch.float32: 5e-6, torch.bfloat16: 8e-3}
 
 
 def reference(x, w, b):
@@ -25,59 +28,102 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def kernel_runs(dtype: torch.dtype) -> bool:
-    lib = pl._gemv_library()
-    return lib is not None and bool(lib.pdserve_gemv_supports(int(dtype == torch.bfloat16)))
+    lib = pl._library()
+    return lib is not None and bool(lib.pdserve_skinny_supports(int(dtype == torch.bfloat16)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gemv_matches_float64(dtype, rows, with_bias):
+def test_skinny_gemm_matches_float64(dtype, with_bias):
     """Where the kernel runs (AVX-512; AVX512-BF16 for bf16: this project's machines have
-    both) it matches float64 to the dtype's rounding; elsewhere it says so (None)."""
-    gen = torch.Generator().manual_seed(rows)
+    both) it matches float64 to the dtype's rounding; elsewhere nothing is packed (None)."""
+    gen = torch.Generator().manual_seed(7)
     for n, k in SHAPES:
-        x = torch.randn(rows, k, generator=gen).to(dtype)
         w = torch.randn(n, k, generator=gen).to(dtype)
         b = torch.randn(n, generator=gen).to(dtype) if with_bias else None
-        y = gemv(x, w, b)
+        packed = skinny_pack(w)
         if not kernel_runs(dtype):
-            assert y is None
+            assert packed is None
             continue
-        assert y.shape == (rows, n) and y.dtype == dtype
-        assert relative_error(y, reference(x, w, b)) < TOLERANCE[dtype]
+        assert packed.dtype == dtype and packed.numel() >= w.numel()
+        for rows in ROWS:
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            y = skinny_gemm(x, packed, b, n)
+            assert y.shape == (rows, n) and y.dtype == dtype
+            assert relative_error(y, reference(x, w, b)) < TOLERANCE[dtype], (n, k, rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_op_takes_the_kernel_at_two_rows_and_onednn_above(monkeypatch, dtype):
+def test_a_rows_result_does_not_depend_on_its_batch(dtype):
+    """Each output is one sum over K in order, whatever the tiling: bit-identical alone and in
+    batches of every size (a decode's token does not change with the batch it lands in)."""
+    if not kernel_runs(dtype):
+        pytest.skip(f"the kernel does not run {dtype} on this CPU")
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(960, 576, generator=gen).to(dtype)
+    packed = skinny_pack(w)
+    x = torch.randn(200, 576, generator=gen).to(dtype)
+    alone = torch.cat([skinny_gemm(x[i : i + 1], packed, None, 960) for i in range(200)])
+    for rows in (2, 6, 7, 64, 200):
+        assert torch.equal(skinny_gemm(x[:rows], packed, None, 960), alone[:rows]), rows
+
+
+def test_the_kernel_refuses_another_dtype():
+    if not kernel_runs(torch.float32):
+        pytest.skip("the kernel does not run here")
+    packed = skinny_pack(torch.randn(32, 64))
+    with pytest.raises(TypeError, match="bfloat16"):
+        skinny_gemm(torch.randn(2, 64).bfloat16(), packed, None, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_layer_runs_the_kernel_at_every_row_count(monkeypatch, dtype):
     if not can_pack(torch.device("cpu"), dtype):
         pytest.skip(f"oneDNN has no native {dtype} on this CPU: the layer is not packed")
     calls = []
-    real = pl.gemv
+    real = pl.skinny_gemm
 
-    def counted(x, w, b):
-        y = real(x, w, b)
-        calls.append((x.shape[0], y is not None))
-        return y
+    def counted(x, packed, b, n):
+        calls.append(x.shape[0])
+        return real(x, packed, b, n)
 
-    monkeypatch.setattr(pl, "gemv", counted)
+    monkeypatch.setattr(pl, "skinny_gemm", counted)
     gen = torch.Generator().manual_seed(0)
     w, b = torch.randn(960, 576, generator=gen).to(dtype), torch.randn(960, generator=gen).to(dtype)
     layer = PackedLinear(w, b)
-    for rows in (1, 2, 3, 32):
+    assert layer.skinny == kernel_runs(dtype)
+    for rows in (1, 2, 3, 32, 300):
         x = torch.randn(rows, 576, generator=gen).to(dtype)
         with torch.inference_mode():
             y = layer(x)
         assert relative_error(y, reference(x, w, b)) < TOLERANCE[dtype]
-    assert calls == [(1, kernel_runs(dtype)), (2, kernel_runs(dtype))]  # 3 and 32: oneDNN
+    assert calls == ([1, 2, 3, 32, 300] if kernel_runs(dtype) else [])
+
+
+def test_a_shape_the_kernel_does_not_pack_runs_onednn():
+    """An odd K has no bf16 pairs: the layer packs for oneDNN instead."""
+    if not can_pack(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("oneDNN has no native bf16 on this CPU")
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(48, 75, generator=gen).bfloat16()
+    assert skinny_pack(w) is None
+    layer = PackedLinear(w)
+    assert not layer.skinny
+    x = torch.randn(3, 75, generator=gen).bfloat16()
+    with torch.inference_mode():
+        y = layer(x)
+    assert relative_error(y, reference(x, w, None)) < TOLERANCE[torch.bfloat16]
 
 
 def test_without_the_kernel_onednn_runs_every_shape(monkeypatch):
-    monkeypatch.setattr(pl, "_gemv_library", lambda: None)
+    monkeypatch.setattr(pl, "_library", lambda: None)
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(960, 576, generator=gen)
-    x = torch.randn(1, 576, generator=gen)
-    assert gemv(x, w, None) is None
-    with torch.inference_mode():
-        y = PackedLinear(w)(x)
-    assert relative_error(y, reference(x, w, None)) < TOLERANCE[torch.float32]
+    assert skinny_pack(w) is None
+    layer = PackedLinear(w)
+    assert not layer.skinny
+    for rows in (1, 32):
+        x = torch.randn(rows, 576, generator=gen)
+        with torch.inference_mode():
+            y = layer(x)
+        assert relative_error(y, reference(x, w, None)) < TOLERANCE[torch.float32]

@@ -1,17 +1,16 @@
-"""Linear layers with their weights pre-packed for oneDNN (CPU only).
+"""Linear layers with their weights packed once for a CPU GEMM kernel (CPU only).
 
-MKL's GEMM on a row-major weight is slow for the skinny shapes of decoding (8–32 rows); oneDNN
-on a weight reordered once into its blocked layout runs them 2–3× faster on this CPU in float32
-and 1.5–1.9× faster in bfloat16, bit-identical in bf16 (the packing torch's inductor applies
-when it freezes weights). `pack_linears(model)` swaps each
-`nn.Linear` of the decoder layers for a `PackedLinear` that keeps the original weight tensor
-(the packed copy is extra memory: as much again as the weights); the GEMM is the custom op
-`pdserve::packed_linear`, opaque to torch.compile.
-
-At 1–2 rows (a decode step of one or two sequences; the compiled forward pads one to two) the
-op runs the C kernel in gemv.c on the original weight instead: there a GEMM only streams its
-weight, and oneDNN's packed kernel read it at about half this box's memory rate
-(docs/benchmarks.md, "GEMV"). Where the kernel cannot build, oneDNN runs every shape.
+MKL's GEMM on a row-major weight is slow for the skinny shapes of decoding (1–64 rows).
+`pack_linears(model)` swaps each `nn.Linear` of the decoder layers for a `PackedLinear` that
+keeps the original weight tensor and a packed copy of it (extra memory: as much again as the
+weights), and runs its GEMM as a custom op, opaque to torch.compile:
+- `pdserve::skinny_linear`, the C kernel in skinny_gemm.c, on a weight packed in blocks of 16
+  output columns (the operand layout of AVX-512's bf16 dot product). From 1 to 128 rows it ran
+  1.1–2.0x oneDNN's packed GEMM on this box, level with it from 256 to 2048 (docs/benchmarks.md,
+  "Skinny GEMM"), and a row's result does not depend on the rows batched with it;
+- `pdserve::packed_linear`, oneDNN on a weight reordered into its blocked layout (the packing
+  torch's inductor applies when it freezes weights), where the kernel does not build or run
+  (no compiler, no AVX-512, bf16 without AVX512-BF16).
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from torch import nn
 from common.native.build import load_library
 
 _PACK_BATCH_HINT = 32  # the row count oneDNN tunes the layout for; fine from 1 to 128 rows
-GEMV_MAX_ROWS = 2  # at 4 rows oneDNN is as fast, at 8 faster
 
 
 class PackedLinear(nn.Module):
@@ -34,14 +32,18 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.weight, self.bias = weight, bias  # shared, not copied
         self.out_features = weight.shape[0]
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
+        packed = skinny_pack(weight)
+        self.skinny = packed is not None
+        if packed is None:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
         self.register_buffer("packed_weight", packed, persistent=False)
-        _gemv_library()  # built now, at start-up, not on the first request
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.pdserve.packed_linear(
-            x, self.weight, self.packed_weight, self.bias, self.out_features
-        )
+        if self.skinny:
+            return torch.ops.pdserve.skinny_linear(
+                x, self.packed_weight, self.bias, self.out_features
+            )
+        return torch.ops.pdserve.packed_linear(x, self.packed_weight, self.bias, self.out_features)
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -64,62 +66,86 @@ def pack_linears(module: nn.Module) -> None:
 
 @torch.library.custom_op("pdserve::packed_linear", mutates_args=())
 def _packed_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    packed_weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_features: int,
+    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
-    if x.shape[0] <= GEMV_MAX_ROWS and (y := gemv(x, weight, bias)) is not None:
-        return y
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
+@torch.library.custom_op("pdserve::skinny_linear", mutates_args=())
+def _skinny_linear(
+    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return skinny_gemm(x, packed_weight, bias, out_features)
+
+
 @_packed_linear.register_fake
-def _(x, weight, packed_weight, bias, out_features):
+@_skinny_linear.register_fake
+def _(x, packed_weight, bias, out_features):
     return x.new_empty(x.shape[0], out_features)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x (M, K) @ weight (N, K)^T + bias with the C kernel; None where it does not run (no
-    kernel, a dtype or shape it does not take: the caller runs oneDNN)."""
-    lib = _gemv_library()
-    if lib is None or x.dtype != weight.dtype or x.dtype not in _supported_dtypes(lib):
+def skinny_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` (N, K) packed for `skinny_gemm`: a flat tensor of its dtype; None where the
+    kernel does not run (no kernel, another device or dtype, an odd K in bf16)."""
+    lib = _library()
+    if lib is None or weight.device.type != "cpu" or weight.dtype not in _supported_dtypes(lib):
         return None
-    if not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+    n, k = weight.shape
+    is_bf16 = int(weight.dtype == torch.bfloat16)
+    size = lib.pdserve_skinny_packed_bytes(n, k, is_bf16) // weight.element_size()
+    if size == 0:
         return None
+    packed = weight.new_empty(size)
+    lib.pdserve_skinny_pack(
+        weight.detach().contiguous().data_ptr(), packed.data_ptr(), n, k, is_bf16
+    )
+    return packed
+
+
+def skinny_gemm(
+    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """x (M, K) @ weight (N, K)^T + bias on `skinny_pack(weight)`."""
+    if x.dtype != packed_weight.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise TypeError(f"skinny_gemm: x is {x.dtype}, the weight {packed_weight.dtype}")
+    lib = _library()
     x = x.contiguous()
-    y = x.new_empty(x.shape[0], weight.shape[0])
-    rc = lib.pdserve_gemv(
+    y = x.new_empty(x.shape[0], out_features)
+    rc = lib.pdserve_skinny_gemm(
         x.data_ptr(),
-        weight.data_ptr(),
-        None if bias is None else bias.data_ptr(),
+        packed_weight.data_ptr(),
+        None if bias is None else bias.contiguous().data_ptr(),
         y.data_ptr(),
         x.shape[0],
-        weight.shape[0],
-        weight.shape[1],
+        out_features,
+        x.shape[1],
         int(x.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
-    return y if rc == 0 else None
+    if rc != 0:
+        raise RuntimeError(f"skinny_gemm: the kernel refused {tuple(x.shape)} x {out_features}")
+    return y
 
 
 @cache
 def _supported_dtypes(lib: ctypes.CDLL) -> tuple[torch.dtype, ...]:
-    """What the kernel runs on this CPU: asked once, not on every call."""
+    """What the kernel runs on this CPU."""
     dtypes = (torch.float32, torch.bfloat16)
-    return tuple(d for d in dtypes if lib.pdserve_gemv_supports(int(d == torch.bfloat16)))
+    return tuple(d for d in dtypes if lib.pdserve_skinny_supports(int(d == torch.bfloat16)))
 
 
 @cache
-def _gemv_library() -> ctypes.CDLL | None:
-    lib = load_library(Path(__file__).with_name("gemv.c"))
+def _library() -> ctypes.CDLL | None:
+    lib = load_library(Path(__file__).with_name("skinny_gemm.c"))
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.pdserve_gemv.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int, ctypes.c_int]
-    lib.pdserve_gemv.restype = ctypes.c_int
-    lib.pdserve_gemv_supports.argtypes = [ctypes.c_int]
-    lib.pdserve_gemv_supports.restype = ctypes.c_int
-    lib.pdserve_gemv_init()
+    lib.pdserve_skinny_gemm.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int, ctypes.c_int]
+    lib.pdserve_skinny_gemm.restype = ctypes.c_int
+    lib.pdserve_skinny_pack.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+    lib.pdserve_skinny_pack.restype = None
+    lib.pdserve_skinny_packed_bytes.argtypes = [i64, i64, ctypes.c_int]
+    lib.pdserve_skinny_packed_bytes.restype = i64
+    lib.pdserve_skinny_supports.argtypes = [ctypes.c_int]
+    lib.pdserve_skinny_supports.restype = ctypes.c_int
     return lib
