@@ -106,8 +106,11 @@ static inline void store(const Gemm *g, __m512 v, int64_t m, int64_t block) {
 }
 
 // rows [m0, m0 + mr) by blocks [b0, b0 + nr); mr, nr constants after inlining
+// `pf`: a run of the next column blocks to prefetch into L2 meanwhile, `pf_lines` lines a step
 static inline __attribute__((always_inline)) void tile(const Gemm *g, int64_t m0, int64_t b0,
-                                                       const int mr, const int nr) {
+                                                       const int mr, const int nr,
+                                                       const char *pf, int64_t pf_lines,
+                                                       const char *pf_end) {
     __m512 acc[MR][NR];
     for (int r = 0; r < mr; r++)
         for (int j = 0; j < nr; j++) acc[r][j] = _mm512_setzero_ps();
@@ -115,6 +118,9 @@ static inline __attribute__((always_inline)) void tile(const Gemm *g, int64_t m0
     const char *w = g->wp + b0 * block;
     const uint32_t *x = (const uint32_t *)g->x + m0 * steps;
     for (int64_t s = 0; s < steps; s++) {
+        for (int64_t i = 0; i < pf_lines; i++)
+            if (pf + (s * pf_lines + i) * LINE < pf_end)
+                _mm_prefetch(pf + (s * pf_lines + i) * LINE, _MM_HINT_T1);
         __m512i wv[NR];
         for (int j = 0; j < nr; j++) wv[j] = _mm512_loadu_si512(w + j * block + s * LINE);
         for (int r = 0; r < mr; r++) {
@@ -128,13 +134,14 @@ static inline __attribute__((always_inline)) void tile(const Gemm *g, int64_t m0
 
 #define TILE_NR(mr)                                        \
     switch (nr) {                                          \
-        case 4: tile(g, m0, b0, mr, 4); break;             \
-        case 3: tile(g, m0, b0, mr, 3); break;             \
-        case 2: tile(g, m0, b0, mr, 2); break;             \
-        default: tile(g, m0, b0, mr, 1); break;            \
+        case 4: tile(g, m0, b0, mr, 4, pf, pf_lines, pf_end); break;  \
+        case 3: tile(g, m0, b0, mr, 3, pf, pf_lines, pf_end); break;  \
+        case 2: tile(g, m0, b0, mr, 2, pf, pf_lines, pf_end); break;  \
+        default: tile(g, m0, b0, mr, 1, pf, pf_lines, pf_end); break; \
     }
 
-static void tile_any(const Gemm *g, int64_t m0, int64_t b0, int mr, int nr) {
+static void tile_any(const Gemm *g, int64_t m0, int64_t b0, int mr, int nr, const char *pf,
+                     int64_t pf_lines, const char *pf_end) {
     switch (mr) {
         case 6: TILE_NR(6); break;
         case 5: TILE_NR(5); break;
@@ -152,8 +159,17 @@ static void run(const Gemm *g, int64_t b_lo, int64_t b_hi, int64_t m_lo, int64_t
         const int64_t mc_end = m_hi - mc < MC ? m_hi : mc + MC;
         for (int64_t b0 = b_lo; b0 < b_hi; b0 += NR) {
             const int nr = b_hi - b0 < NR ? (int)(b_hi - b0) : NR;
-            for (int64_t m0 = mc; m0 < mc_end; m0 += MR)
-                tile_any(g, m0, b0, mc_end - m0 < MR ? (int)(mc_end - m0) : MR, nr);
+            // the next blocks' lines, spread over this group's tiles: the weight streams in
+            // while these rows compute, not when the next group's first tile waits for it
+            const int64_t tiles = (mc_end - mc + MR - 1) / MR, block = g->steps * LINE;
+            const int64_t next = b_hi - b0 - nr < NR ? b_hi - b0 - nr : NR;
+            const int64_t lines = next * g->steps, per_tile = (lines + tiles - 1) / tiles;
+            // (one tile alone is a stream, which the hardware prefetcher follows better)
+            const int64_t pf_lines = tiles > 1 ? (per_tile + g->steps - 1) / g->steps : 0;
+            const char *pf = g->wp + (b0 + nr) * block;
+            for (int64_t m0 = mc, i = 0; m0 < mc_end; m0 += MR, i++)
+                tile_any(g, m0, b0, mc_end - m0 < MR ? (int)(mc_end - m0) : MR, nr,
+                         pf + i * pf_lines * g->steps * LINE, pf_lines, pf + lines * LINE);
         }
     }
 }
