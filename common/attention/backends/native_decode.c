@@ -109,6 +109,10 @@ static inline void prefetch_row(const char *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
+static inline void prefetch_row_l2(const char *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+}
+
 // q . k[i] for 16 rows k[i], one query head: nv 64-byte chunks a row (32 bf16 or 16 fp32)
 static inline __m512 dots16(const char *q, const char *const k[16], int64_t nv, int bf) {
     __m512 acc[16];
@@ -139,14 +143,20 @@ static int scores_avx512(const Item *it) {
 #endif
     const char *q = a->q + (it->b * a->num_kv_heads + it->h) * G * bytes;
     const __m512 scale = _mm512_set1_ps(a->scale);
-    const char *pf = a->k + it->pf_start;
-    for (int64_t i = 0; i < PREFETCH_K && i < it->n; i++) prefetch_row(pf + it->off[i], it->pf_bytes);
+    // V rows go to L2 alongside K's: pass 3 finds them there instead of starting cold
+    const char *pf = a->k + it->pf_start, *pfv = a->v + it->pf_start;
+    for (int64_t i = 0; i < PREFETCH_K && i < it->n; i++) {
+        prefetch_row(pf + it->off[i], it->pf_bytes);
+        prefetch_row_l2(pfv + it->off[i], it->pf_bytes);
+    }
     for (int64_t p0 = 0; p0 < it->n; p0 += 16) {
         const int64_t n = it->n - p0 < 16 ? it->n - p0 : 16;
         const char *k[16];
         for (int64_t i = 0; i < 16; i++) k[i] = a->k + it->off[p0 + (i < n ? i : 0)] + it->head;
-        for (int64_t i = p0 + PREFETCH_K; i < p0 + PREFETCH_K + 16 && i < it->n; i++)
+        for (int64_t i = p0 + PREFETCH_K; i < p0 + PREFETCH_K + 16 && i < it->n; i++) {
             prefetch_row(pf + it->off[i], it->pf_bytes);
+            prefetch_row_l2(pfv + it->off[i], it->pf_bytes);
+        }
         for (int64_t g = 0; g < G; g++) {
             __m512 r = _mm512_mul_ps(dots16(q + g * bytes, k, bytes / 64, bf), scale);
             _mm512_mask_storeu_ps(it->s + g * a->max_len + p0, (__mmask16)((1u << n) - 1), r);
