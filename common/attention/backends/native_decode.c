@@ -7,10 +7,12 @@
 // together), softmax (a vectorized exp), and the weighted sum of V (the accumulators of a few
 // query heads held in registers). Float32 accumulation throughout; bf16 q and k are multiplied
 // with `vdpbf16ps` (exact products, float32 sums) where the CPU has AVX512-BF16. A work item is
-// a whole sequence when there are at least 4 per thread, else one KV head. Rows are prefetched
-// ahead, every head's part of them on a sequence's first head: a layer's KV is never in the
-// CPU's caches when the layer runs, and without prefetch a first version of this kernel took
-// 2.9x as long on a cold cache as on a warm one. Without AVX-512, and for head dims that are
+// a whole sequence when there are at least 4 per thread, else one KV head; it first writes its
+// part of the sequence's new K/V row into the cache (the step's own token, which it attends
+// to). Rows are prefetched ahead, every head's part of them on a sequence's first head, and V
+// rows into L2 during the score pass: a layer's KV is never in the CPU's caches when the layer
+// runs, and without prefetch a first version of this kernel took 2.9x as long on a cold cache
+// as on a warm one. Without AVX-512, and for head dims that are
 // not a multiple of 16 (32 in bf16), plain C loops.
 
 #include <math.h>
@@ -55,7 +57,9 @@ static inline bf16_t f32_to_bf16(float f) {  // round to nearest even, as torch 
 typedef struct {
     const char *q;           // (B, Hkv * G, D)
     char *out;               // (B, Hkv * G, D)
-    const char *k, *v;       // (slots, Hkv, D)
+    char *k, *v;             // (slots, Hkv, D)
+    const char *k_new, *v_new;  // (B, Hkv, D): each sequence's new row, or NULL
+    const int64_t *new_slots;   // (B,) the slot it goes to
     const int64_t *table;    // (B, table_stride) block ids
     const int64_t *lo, *hi;  // (B,) the valid positions [lo, hi) of each context
     int64_t table_stride, num_kv_heads, group, head_dim, block_size, max_len;
@@ -321,6 +325,12 @@ static void attend_head(Item *it) {
 static void attend(const Args *a, int64_t b, int64_t h0, int64_t h1, float *scratch) {
     const int64_t lo = a->lo[b], hi = a->hi[b], G = a->group;
     const int64_t bytes = a->head_dim * a->elem;
+    if (a->k_new != NULL) {  // the step's own row first: its heads [h0, h1), which it attends to
+        const int64_t row = a->num_kv_heads * bytes, src = b * row + h0 * bytes;
+        const int64_t dst = a->new_slots[b] * row + h0 * bytes;
+        memcpy(a->k + dst, a->k_new + src, (h1 - h0) * bytes);
+        memcpy(a->v + dst, a->v_new + src, (h1 - h0) * bytes);
+    }
     int64_t *off = (int64_t *)(scratch + G * a->max_len + (G * a->max_len) % 2);
     row_offsets(a, b, lo, hi, off);
     for (int64_t h = h0; h < h1; h++) {
@@ -336,15 +346,19 @@ int64_t pdserve_decode_attention_scratch(int64_t group, int64_t max_len) {
     return group * max_len + (group * max_len) % 2 + 2 * max_len;
 }
 
-int pdserve_decode_attention(const void *q, void *out, const void *k, const void *v,
+int pdserve_decode_attention(const void *q, void *out, void *k, void *v, const void *k_new,
+                             const void *v_new, const int64_t *new_slots,
                              const int64_t *table, int64_t table_stride, const int64_t *lo,
                              const int64_t *hi, float *scratch, int64_t batch,
                              int64_t num_kv_heads, int64_t group, int64_t head_dim,
                              int64_t block_size, int64_t max_len, float scale, int is_bf16,
                              int threads) {
     if (group > MAX_GROUP || head_dim > MAX_DIM) return -1;
-    Args a = {q, out, k, v, table, lo, hi, table_stride, num_kv_heads, group, head_dim,
-              block_size, max_len, scale, is_bf16 ? 2 : 4};
+    Args a = {.q = q, .out = out, .k = k, .v = v, .k_new = k_new, .v_new = v_new,
+              .new_slots = new_slots, .table = table, .lo = lo, .hi = hi,
+              .table_stride = table_stride, .num_kv_heads = num_kv_heads, .group = group,
+              .head_dim = head_dim, .block_size = block_size, .max_len = max_len,
+              .scale = scale, .elem = is_bf16 ? 2 : 4};
     const int64_t per_thread = pdserve_decode_attention_scratch(group, max_len);
     // a work item is a whole sequence when there are enough of them to share out, else a head
     const int64_t heads = batch >= 4 * threads ? num_kv_heads : 1;

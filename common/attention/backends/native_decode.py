@@ -22,7 +22,7 @@ class NativeDecode:
     def __init__(self, lib: ctypes.CDLL):
         fn = lib.pdserve_decode_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr] * 5 + [i64, ptr, ptr, ptr] + [i64] * 6 + [ctypes.c_float]
+        fn.argtypes = [ptr] * 8 + [i64, ptr, ptr, ptr] + [i64] * 6 + [ctypes.c_float]
         fn.argtypes += [ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._fn = fn
@@ -42,14 +42,27 @@ class NativeDecode:
             and q.shape[2] <= MAX_HEAD_DIM
         )
 
-    def __call__(self, q, k_flat, v_flat, table, lo, hi, block_size: int, max_len: int, scale):
+    def __call__(
+        self, q, k_flat, v_flat, table, lo, hi, block_size: int, max_len: int, scale, new=None
+    ):
         """q (B, Hq, D) contiguous; k/v_flat (slots, Hkv, D) of the same dtype, contiguous;
         table (B, *) int64 block ids, rows contiguous; lo/hi (B,) int64: each context's
-        positions [lo, hi), `max_len` >= every hi - lo. Returns (B, Hq, D)."""
-        if not (table.stride(-1) == 1 and lo.is_contiguous() and hi.is_contiguous()) or any(
-            t.dtype != torch.int64 for t in (table, lo, hi)
-        ):
+        positions [lo, hi), `max_len` >= every hi - lo. `new`: (k, v, slots), each sequence's
+        own row (B, Hkv, D), written to the cache at `slots` (B,) int64 before it attends.
+        Returns (B, Hq, D)."""
+        k_new, v_new, slots = (None, None, None) if new is None else new
+        ints = (table, lo, hi) if slots is None else (table, lo, hi, slots)
+        contiguous = lo.is_contiguous() and hi.is_contiguous()
+        if not (table.stride(-1) == 1 and contiguous) or any(t.dtype != torch.int64 for t in ints):
             raise TypeError("block table, lo and hi must be contiguous int64 tensors")
+        if new is not None and not (
+            k_new.dtype == v_new.dtype == q.dtype
+            and k_new.shape == v_new.shape == (q.shape[0], *k_flat.shape[1:])
+            and k_new.is_contiguous()
+            and v_new.is_contiguous()
+            and slots.is_contiguous()
+        ):
+            raise TypeError("new rows must be contiguous (B, Hkv, D) of q's dtype")
         batch, heads, dim = q.shape
         kv_heads = k_flat.shape[1]
         group = heads // kv_heads
@@ -63,6 +76,9 @@ class NativeDecode:
             out.data_ptr(),
             k_flat.data_ptr(),
             v_flat.data_ptr(),
+            None if new is None else k_new.data_ptr(),
+            None if new is None else v_new.data_ptr(),
+            None if new is None else slots.data_ptr(),
             table.data_ptr(),
             table.stride(0),
             lo.data_ptr(),

@@ -5,9 +5,9 @@ and masked by length. Prefill chunks run one sequence at a time with a bottom-ri
 over cached prefix + new tokens; a chunk with no cached prefix attends to its own K/V directly.
 
 With `native` (the engine's compiled path on a CPU), a step's decodes run as one call of the
-C kernel in native_decode.c: it reads each context from the cache by slot, prefetching rows
-ahead, scores 16 positions at a time and accumulates in float32 (docs/benchmarks.md, "Decode
-attention in C"). A shape it does not take (more than 16 query heads a KV head) falls back to
+C kernel in native_decode.c: it writes each decode's own K/V row, reads each context from the
+cache by slot, prefetching rows ahead, scores 16 positions at a time and accumulates in
+float32 (docs/benchmarks.md, "Decode attention in C"). A shape it does not take (more than 16 query heads a KV head) falls back to
 SDPA. Without it (no C compiler, a failed build), `compiled_decode` runs a step's decodes with
 enough context (`FUSED_MIN_TOKENS`) as one torch.compile'd kernel that reads each context by
 slot inside two float32 reductions: no gathered copy of K/V, no mask tensor (up to 1.5x SDPA on
@@ -51,12 +51,22 @@ class TorchPagedBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        write_kv(kv_cache, key, value, meta.slot_mapping)
-        out = torch.empty_like(query)
         nd = meta.num_decodes
-        if nd and self.native is not None and self.native.supports(query, kv_cache):
-            native = self.native
-            out[:nd] = _decode_native(native, query[:nd], kv_cache, meta, scale, sliding_window)
+        native = nd > 0 and self.native is not None and self.native.supports(query, kv_cache)
+        if native:  # the kernel writes the decodes' own K/V rows, the prefill rows are written here
+            if meta.num_tokens > nd:
+                write_kv(kv_cache, key[nd:], value[nd:], meta.slot_mapping[nd:])
+            new = (key[:nd], value[:nd], meta.slot_mapping[:nd])
+            dec = _decode_native(
+                self.native, query[:nd], kv_cache, meta, scale, sliding_window, new
+            )
+            if nd == meta.num_tokens:
+                return dec
+        else:
+            write_kv(kv_cache, key, value, meta.slot_mapping)
+        out = torch.empty_like(query)
+        if native:
+            out[:nd] = dec
         elif self._attend_by_slot is not None and self._fused_pays(meta, nd):
             out[:nd] = _decode_fused(
                 self._attend_by_slot, query[:nd], kv_cache, meta, scale, sliding_window
@@ -154,8 +164,9 @@ def _decode_fused(attend, q, kv_cache, meta: AttentionMetadata, scale, sliding_w
     return out.view(nd, -1, dim)
 
 
-def _decode_native(native: NativeDecode, q, kv_cache, meta: AttentionMetadata, scale, window):
-    """`_decode`'s result from the C kernel: q (B, Hq, D)."""
+def _decode_native(native: NativeDecode, q, kv_cache, meta: AttentionMetadata, scale, window, new):
+    """`_decode`'s result from the C kernel: q (B, Hq, D); `new` (k, v, slots) the decodes' own
+    K/V rows, written by the kernel."""
     nd = q.shape[0]
     key = ("native", window)
     if key not in meta.memo:  # once a step, shared by all layers
@@ -166,7 +177,10 @@ def _decode_native(native: NativeDecode, q, kv_cache, meta: AttentionMetadata, s
     heads, dim = kv_cache.shape[3:]
     flat = kv_cache.view(2, -1, heads, dim)
     block_size = kv_cache.shape[2]
-    return native(q.contiguous(), flat[0], flat[1], table, lo, hi, block_size, max_len, scale)
+    k, v, slots = (t.contiguous() for t in new)
+    return native(
+        q.contiguous(), flat[0], flat[1], table, lo, hi, block_size, max_len, scale, (k, v, slots)
+    )
 
 
 def _compiled(fn):
