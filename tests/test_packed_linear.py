@@ -68,6 +68,28 @@ def test_a_rows_result_does_not_depend_on_its_batch(dtype):
         assert torch.equal(skinny_gemm(x[:rows], packed, None, 960), alone[:rows]), rows
 
 
+@pytest.mark.parametrize("threads", [1, 3, 4])
+def test_any_thread_count_splits_the_work_without_changing_a_bit(threads):
+    """Threads split the column blocks, and with many rows and few blocks a thread the rows
+    too (a grid of threads): every output is still the same one sum, bit for bit. N = 37 (3
+    blocks: rows split), 160 (10 blocks: a 2 x 2 grid at 4 threads), 960 (blocks only)."""
+    if not kernel_runs(torch.bfloat16):
+        pytest.skip("the kernel does not run bf16 on this CPU")
+    gen = torch.Generator().manual_seed(5)
+    before = torch.get_num_threads()
+    for n in (37, 160, 960):
+        w = torch.randn(n, 576, generator=gen).bfloat16()
+        packed = skinny_pack(w)
+        x = torch.randn(200, 576, generator=gen).bfloat16()
+        alone = torch.cat([skinny_gemm(x[i : i + 1], packed, None, n) for i in range(200)])
+        torch.set_num_threads(threads)
+        try:
+            y = skinny_gemm(x, packed, None, n)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(y, alone), n
+
+
 def test_the_kernel_refuses_another_dtype():
     if not kernel_runs(torch.float32):
         pytest.skip("the kernel does not run here")
