@@ -7,11 +7,12 @@ over cached prefix + new tokens; a chunk with no cached prefix attends to its ow
 With `native` (the engine's compiled path on a CPU), a step's decodes run as one call of the
 C kernel in native_decode.c: it writes each decode's own K/V row, reads each context from the
 cache by slot, prefetching rows ahead, scores 16 positions at a time and accumulates in
-float32 (docs/benchmarks.md, "Decode attention in C"). A shape it does not take (more than 16 query heads a KV head) falls back to
-SDPA. Without it (no C compiler, a failed build), `compiled_decode` runs a step's decodes with
-enough context (`FUSED_MIN_TOKENS`) as one torch.compile'd kernel that reads each context by
-slot inside two float32 reductions: no gathered copy of K/V, no mask tensor (up to 1.5x SDPA on
-the gathered context in bf16, 3.9x in fp32, at batch 32). Eager (`--enforce-eager`) keeps SDPA.
+float32 (docs/benchmarks.md, "Decode attention in C"). A shape it does not take (more than 16
+query heads a KV head) falls back to SDPA. Without it (no C compiler, a failed build),
+`compiled_decode` runs a step's decodes with enough context (`FUSED_MIN_TOKENS`) as one
+torch.compile'd kernel that reads each context by slot inside two float32 reductions: no
+gathered copy of K/V, no mask tensor (up to 1.5x SDPA on the gathered context in bf16, 3.9x in
+fp32, at batch 32). Eager (`--enforce-eager`) keeps SDPA.
 """
 
 from __future__ import annotations
