@@ -78,3 +78,88 @@ def test_a_dead_engine_thread_fails_every_pending_and_later_call(tiny_model):
             await engine.stop()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+class Batches:
+    """The requests of each step the engine ran (a spy on the real model runner)."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.steps: list[list[str]] = []
+        runner = engine.engine.runner
+        execute = runner.execute
+
+        def recording(scheduled, meta):
+            self.steps.append(sorted(req.request_id for req, _ in scheduled))
+            return execute(scheduled, meta)
+
+        runner.execute = recording
+
+
+async def _all(outputs) -> list:
+    return [o async for o in outputs]
+
+
+@pytest.mark.parametrize("arrival_wait", [30.0, 0.0])
+def test_an_idle_engine_waits_for_requests_on_their_way(tiny_model, arrival_wait):
+    """"b" is still being parsed (the server counts it as on its way) when "a" reaches an idle
+    engine: with an arrival wait the first step runs both; with none, "a" alone."""
+    model = ModelConfig(str(tiny_model("llama")))
+    cfg = EngineConfig(model=model, cache=CacheConfig(num_blocks=32))
+    on_the_way = [0]
+
+    async def scenario():
+        engine = AsyncEngine(
+            lambda: LLMEngine(cfg), on_the_way=lambda: on_the_way[0], arrival_wait=arrival_wait
+        )
+        await engine.start()
+        try:
+            batches = Batches(engine)
+            params = SamplingParams(max_tokens=4, ignore_eos=True)
+            on_the_way[0] = 1  # "b"
+            a = asyncio.ensure_future(_all(engine.generate("a", [5, 6, 7], params)))
+            await asyncio.sleep(0.3)  # "a" is added: the engine steps on it, or waits
+            b_outputs = engine.generate("b", [8, 9], params)
+            b = asyncio.ensure_future(_all(b_outputs))
+            await asyncio.sleep(0)  # b's add is queued (the server's hand-over is the same)
+            on_the_way[0] = 0
+            outputs = await asyncio.gather(a, b)
+            assert all(out[-1].finished for out in outputs)
+            return batches.steps, engine.num_arrival_waits
+        finally:
+            await engine.stop()
+
+    steps, waits = asyncio.run(asyncio.wait_for(scenario(), 60))
+    if arrival_wait:
+        assert steps[0] == ["a", "b"] and waits == 1, steps
+    else:
+        assert steps[0] == ["a"] and waits == 0, steps
+
+
+def test_the_arrival_wait_is_bounded_and_a_running_batch_never_waits(tiny_model):
+    """A request whose arrival never completes (the count stuck above zero) delays an idle
+    engine's step by at most the wait; while requests run, steps do not wait at all (with a
+    wait of 20 s per step, 12 tokens would take minutes: the 60 s bound fails the test)."""
+    model = ModelConfig(str(tiny_model("llama")))
+    cfg = EngineConfig(model=model, cache=CacheConfig(num_blocks=32))
+    on_the_way = [1]  # stuck: a request that never reaches the engine
+
+    async def scenario():
+        engine = AsyncEngine(
+            lambda: LLMEngine(cfg), on_the_way=lambda: on_the_way[0], arrival_wait=0.2
+        )
+        await engine.start()
+        try:
+            params = SamplingParams(max_tokens=3, ignore_eos=True)
+            short = await _all(engine.generate("short", [5, 6, 7], params))
+            assert short[-1].finished and engine.num_arrival_waits == 1
+            engine._arrival_wait = 20.0  # from now on a wait would show
+            on_the_way[0] = 0
+            long = engine.generate("long", [5, 6], SamplingParams(max_tokens=12, ignore_eos=True))
+            first = await anext(long)  # running now
+            on_the_way[0] = 1
+            rest = [o async for o in long]  # 11 steps with one request on its way
+            assert first.outputs and rest[-1].finished and engine.num_arrival_waits == 1
+        finally:
+            await engine.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

@@ -1,6 +1,10 @@
 """Bad input, through the proxy (in front of a real prefill and decode worker) and to a worker
 directly: each case is a 4xx in OpenAI's error shape, never a 5xx or a hang; afterwards both
-pools are all-free and both paths still serve."""
+pools are all-free and both paths still serve.
+
+The workers run with a 60 s arrival wait: a bad request still counted as on its way to the engine
+would make every later step from idle wait that long, and shows in `pdserve_num_requests_arriving`
+at the end."""
 
 from __future__ import annotations
 
@@ -77,6 +81,7 @@ INVALID = {  # name: (path, body, param)
 def workers(start_server, tiny_model):
     common = ["--model", str(tiny_model("llama")), "--num-blocks", "256", "--max-model-len"]
     common += [str(MAX_MODEL_LEN), "--internal-token", TOKEN, "--served-model-name", "tiny"]
+    common += ["--arrival-wait-ms", "60000"]
     return start_server("prefill", *common), start_server("decode", *common)
 
 
@@ -203,6 +208,7 @@ def test_pools_free_and_both_paths_serve_afterwards(workers, proxy):
     for worker in workers:
         assert wait_until(lambda w=worker: w.metric("pdserve_kv_blocks_used") == 0), worker.url
         assert wait_until(lambda w=worker: w.metric("pdserve_num_requests_running") == 0)
+        assert worker.metric("pdserve_num_requests_arriving") == 0, worker.url
     for base in (proxy.url, *(w.url for w in workers)):
         r = post(base, CHAT, json.dumps({"messages": HI, "max_tokens": 4}).encode())
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text

@@ -137,6 +137,7 @@ def test_metrics_exposed(server):
         "pdserve_inter_token_latency_seconds_bucket",
         "pdserve_e2e_request_latency_seconds_count",
         "pdserve_num_requests_waiting",
+        "pdserve_num_requests_arriving",
         "pdserve_kv_blocks_free",
         "pdserve_prefix_cache_hit_rate",
     ):

@@ -87,6 +87,7 @@ def _install_basic_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics")
     async def metrics():
         stats = state.engine.stats if state.engine is not None else None
+        state.metrics.arriving.set(state.num_on_the_way())
         return Response(
             state.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8"
         )

@@ -45,7 +45,7 @@ async def create_chat_completion(
     prompt = await prepare_chat(state, engine.engine, req)
     job = Job(new_request_id(request), prompt.token_ids, prompt.params, choice_offset=0)
     job.kv_transfer_params = await resolve_kv_params(state, req.kv_transfer_params, request)
-    admit(state, engine, [job])
+    admit(state, engine, [job], request)
     response_id = f"chatcmpl-{request.state.request_id}"
     outputs = run_jobs(state, engine, [job])
     stream = _stream(state, req, response_id, job, outputs) if req.stream else None

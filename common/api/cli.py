@@ -35,6 +35,7 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str | None = None  # None: the model folder's name
     max_waiting: int = 1024
+    arrival_wait: float = 0.01  # seconds an idle engine waits for requests being parsed
     max_body_bytes: int = 4 << 20
     drain_timeout: float = 30.0
     internal_token: str | None = None  # required by the internal routes when set
@@ -46,6 +47,10 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if not 0 <= self.arrival_wait <= 60:
+            raise ValueError(
+                f"--arrival-wait-ms must be in [0, 60000], got {self.arrival_wait * 1e3:g}"
+            )
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
 
@@ -181,6 +186,14 @@ def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=2048,
         help="token budget of one step (prefills are chunked to it)",
+    )
+    add(
+        "--arrival-wait-ms",
+        type=float,
+        default=10.0,
+        help="an idle engine waits up to this long for requests it has already received "
+        "(still being parsed and tokenized) before its next step, so that requests arriving "
+        "together start as one batch; 0 turns it off (default %(default)s)",
     )
 
 
@@ -371,6 +384,7 @@ def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, 
             port=a.port,
             served_model_name=a.served_model_name,
             max_waiting=a.max_waiting,
+            arrival_wait=a.arrival_wait_ms / 1e3,
             max_body_bytes=a.max_body_bytes,
             drain_timeout=a.drain_timeout,
             internal_token=a.internal_token or None,

@@ -53,7 +53,7 @@ async def create_completion(
             "kv_transfer_params need a single prompt", param="kv_transfer_params"
         )
     jobs[0].kv_transfer_params = await resolve_kv_params(state, req.kv_transfer_params, request)
-    admit(state, engine, jobs)
+    admit(state, engine, jobs, request)
     response_id = f"cmpl-{request.state.request_id}"
     outputs = run_jobs(state, engine, jobs)
     stream = _stream(state, req, response_id, jobs, outputs) if req.stream else None

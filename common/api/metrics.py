@@ -133,6 +133,11 @@ class ServerMetrics:
         self.waiting = Gauge(
             "pdserve_num_requests_waiting", "Requests waiting to be scheduled", registry=r
         )
+        self.arriving = Gauge(
+            "pdserve_num_requests_arriving",
+            "Requests received and not yet handed to the engine (parsing, tokenizing)",
+            registry=r,
+        )
         self.blocks_used = Gauge(
             "pdserve_kv_blocks_used", "KV blocks referenced by requests", registry=r
         )

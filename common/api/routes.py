@@ -16,15 +16,17 @@ def install_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions", openapi_extra=json_body_openapi(CompletionRequest))
     async def completions(request: Request):
         state.require_ready()
-        body = await read_json_body(request, state.cfg.max_body_bytes)
-        req = parse_request(CompletionRequest, body)
-        state.ignored_fields.note(req.ignored_fields, "/v1/completions")
-        return await create_completion(state, request, req)
+        with state.arriving(request):
+            body = await read_json_body(request, state.cfg.max_body_bytes)
+            req = parse_request(CompletionRequest, body)
+            state.ignored_fields.note(req.ignored_fields, "/v1/completions")
+            return await create_completion(state, request, req)
 
     @app.post("/v1/chat/completions", openapi_extra=json_body_openapi(ChatCompletionRequest))
     async def chat_completions(request: Request):
         state.require_ready()
-        body = await read_json_body(request, state.cfg.max_body_bytes)
-        req = parse_request(ChatCompletionRequest, body)
-        state.ignored_fields.note(req.ignored_fields, "/v1/chat/completions")
-        return await create_chat_completion(state, request, req)
+        with state.arriving(request):
+            body = await read_json_body(request, state.cfg.max_body_bytes)
+            req = parse_request(ChatCompletionRequest, body)
+            state.ignored_fields.note(req.ignored_fields, "/v1/chat/completions")
+            return await create_chat_completion(state, request, req)

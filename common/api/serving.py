@@ -90,8 +90,9 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
         )
 
 
-def admit(state: ServerState, engine: AsyncEngine, jobs: list[Job]) -> None:
-    """Count the jobs as waiting from now on, or 429 if that passes `--max-waiting`."""
+def admit(state: ServerState, engine: AsyncEngine, jobs: list[Job], request: Request) -> None:
+    """Count the jobs as waiting from now on (the request no longer as arriving), or 429 if
+    that passes `--max-waiting`."""
     num_waiting = engine.num_waiting + state.num_admitted
     if num_waiting + len(jobs) > state.cfg.max_waiting:
         raise OverloadedError(
@@ -101,6 +102,7 @@ def admit(state: ServerState, engine: AsyncEngine, jobs: list[Job]) -> None:
         )
     for job in jobs:
         job.admission = Admission(state)
+    state.arrived(request)
 
 
 def new_request_id(request: Request) -> str:

@@ -11,12 +11,15 @@ set by common/api/server.py): it drains in-flight responses and the process exit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
+
+from fastapi import Request
 
 from common.api.cli import ServerConfig
 from common.api.errors import NotFoundError, UnavailableError
@@ -48,6 +51,7 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.is_draining = False
         self.num_admitted = 0  # admitted requests not yet handed to the engine (serving.py)
+        self.num_arriving = 0  # generation requests received, not yet admitted (`arriving`)
         self.started_at = int(time.time())
         self.exit_code = 0  # the process's exit status once the server stops
         self.request_exit: Callable[[], None] | None = None  # the server stops, draining
@@ -75,6 +79,8 @@ class ServerState:
             self.engine_factory,
             on_death=self.engine_died,
             num_threads=self.cfg.cpu.effective_threads,
+            on_the_way=self.num_on_the_way,
+            arrival_wait=self.cfg.arrival_wait,
         )
         try:
             await engine.start()
@@ -107,6 +113,27 @@ class ServerState:
         )
         if self.request_exit is not None:
             asyncio.get_running_loop().call_later(ENGINE_DEAD_LINGER_S, self.request_exit)
+
+    @contextlib.contextmanager
+    def arriving(self, request: Request) -> Iterator[None]:
+        """Count a generation request from the moment its route starts (body, parsing, chat
+        template, tokenizing) until `arrived` (its jobs admitted) or the route ends."""
+        self.num_arriving += 1
+        request.state.is_arriving = True
+        try:
+            yield
+        finally:
+            self.arrived(request)
+
+    def arrived(self, request: Request) -> None:
+        if getattr(request.state, "is_arriving", False):
+            request.state.is_arriving = False
+            self.num_arriving -= 1
+
+    def num_on_the_way(self) -> int:
+        """Requests this worker has received that its engine has not seen yet. The engine
+        thread reads it (one int read each, under the GIL) to decide whether to wait for them."""
+        return self.num_arriving + self.num_admitted
 
     async def run_blocking(self, fn: Callable[..., T], *args) -> T:
         """`fn(*args)` in the tokenize pool, the event loop free meanwhile; raises what `fn`

@@ -15,6 +15,13 @@ reports here. The process's core affinity is set earlier, at startup (common/cpu
 
 Leaving the `async for` early (a client that went away) aborts the request and frees its blocks.
 
+Arrivals: requests that reach a worker together (the hand-offs of one prefill batch, a client's
+burst) get to its engine a few milliseconds apart, each after its own parsing and tokenizing on
+the event loop. An idle engine that stepped on the first would run it alone and make the rest
+wait for that step to end. So when nothing is running, the thread first waits, at most
+`arrival_wait` seconds, while `on_the_way()` (the server's count of requests received and not
+yet handed over) is above zero, then steps on all of them at once. A running batch never waits.
+
 Fail closed: once the thread ends (a step raised, or `stop`), every request being generated,
 every call still queued and every later call or request fails at once with `EngineDeadError`;
 nothing waits forever. `on_death(error)` runs on the event loop when a failure ended it. A
@@ -38,6 +45,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, InvalidStateError
@@ -101,10 +109,14 @@ class AsyncEngine:
         engine_factory: Callable[[], LLMEngine],
         on_death: Callable[[BaseException], None] | None = None,
         num_threads: int | None = None,  # None: torch's default for a new thread
+        on_the_way: Callable[[], int] | None = None,  # requests received, not yet added
+        arrival_wait: float = 0.0,  # seconds an idle engine waits for them; 0: never
     ):
         self._factory = engine_factory
         self._on_death = on_death
         self._num_threads_wanted = num_threads
+        self._on_the_way = on_the_way
+        self._arrival_wait = arrival_wait
         self.num_threads: int | None = None  # torch's intra-op threads on the engine thread
         self.engine: LLMEngine | None = None
         self.kv_events: KVEventPublisher | None = None  # set when the engine is built
@@ -121,6 +133,7 @@ class AsyncEngine:
         self.stats = EngineStats()
         self._num_pending = 0  # added, not yet seen by the scheduler
         self._num_steps = 0
+        self.num_arrival_waits = 0  # idle steps that waited for requests on their way
         self._fault_step: int | None = None  # the test hook, read when the thread starts
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -259,8 +272,11 @@ class AsyncEngine:
 
     def _loop_until_stopped(self) -> None:
         while not self._stopping:
+            is_idle = not self.engine.scheduler.running
             self._drain_commands()
             if self.engine.has_unfinished_requests():
+                if is_idle:
+                    self._wait_for_arrivals()
                 self._step()
                 continue
             self.engine.poll_transfers()  # notifications and leases, while idle
@@ -270,6 +286,21 @@ class AsyncEngine:
                 continue
             self._wake.wait(0.01 if self.engine.has_pending_transfers() else None)
             self._wake.clear()
+
+    def _wait_for_arrivals(self) -> None:
+        """Nothing is running: let the requests already on their way join this first step."""
+        if not self._arrival_wait or self._on_the_way is None or not self._on_the_way():
+            return
+        self.num_arrival_waits += 1
+        deadline = time.monotonic() + self._arrival_wait
+        while self._on_the_way() and not self._stopping:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            # NOTE: woken by each add; polled too, since a request can fail before its add
+            self._wake.wait(min(left, 0.001))
+            self._wake.clear()
+            self._drain_commands()
 
     def _step(self) -> None:
         self._num_steps += 1
