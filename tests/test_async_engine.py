@@ -101,8 +101,8 @@ async def _all(outputs) -> list:
 
 @pytest.mark.parametrize("arrival_wait", [30.0, 0.0])
 def test_an_idle_engine_waits_for_requests_on_their_way(tiny_model, arrival_wait):
-    """"b" is still being parsed (the server counts it as on its way) when "a" reaches an idle
-    engine: with an arrival wait the first step runs both; with none, "a" alone."""
+    """Request b is still being parsed (the server counts it as on its way) when a reaches an
+    idle engine: with an arrival wait the first step runs both; with none, a alone."""
     model = ModelConfig(str(tiny_model("llama")))
     cfg = EngineConfig(model=model, cache=CacheConfig(num_blocks=32))
     on_the_way = [0]
