@@ -51,6 +51,21 @@ def test_flags_parse_into_the_server_config():
 
 
 @pytest.mark.parametrize(
+    "role, args, budget",
+    [
+        ("prefill", [], 256),  # CPU prefill is compute-bound: small steps, prompts in order
+        ("prefill", ["--device", "cuda"], 2048),
+        ("decode", [], 2048),
+        ("prefill", ["--max-num-batched-tokens", "4096"], 4096),
+        ("decode", ["--max-num-batched-tokens", "64"], 64),
+    ],
+)
+def test_a_steps_token_budget_by_role_and_device(role, args, budget):
+    engine, _ = parse_args(role, args)
+    assert engine.scheduler.max_num_batched_tokens == budget
+
+
+@pytest.mark.parametrize(
     "args, message",
     [
         (["--cpu-threads", "0"], "--cpu-threads must be >= 1, got 0"),

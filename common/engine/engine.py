@@ -116,12 +116,14 @@ class LLMEngine:
         self._held: dict[str, list[Request]] = {}  # first child id → siblings not yet scheduled
         self._children: dict[str, tuple[str, int]] = {}
         logger.info(
-            "engine ready: %s, %d layers, %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %s, %d layers, %d KV blocks of %d tokens, max_model_len %d, "
+            "up to %d tokens a step",
             self.arch.architecture,
             self.arch.num_layers,
             self.num_blocks,
             cc.block_size,
             self.max_model_len,
+            config.scheduler.max_num_batched_tokens,
         )
 
     def watch_ranks(self, on_death: Callable[[RankDiedError], None]) -> None:
