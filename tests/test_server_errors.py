@@ -11,7 +11,7 @@ import pytest
 import uvicorn
 
 from common.api.app import build_app
-from common.api.cli import ServerConfig
+from common.api.server_config import ServerConfig
 from common.config import CacheConfig, EngineConfig, ModelConfig
 from common.engine.engine import LLMEngine
 from tests.servers import free_port, wait_until

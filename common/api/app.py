@@ -19,12 +19,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from common.api.cli import ServerConfig
 from common.api.errors import UnavailableError
 from common.api.http import error_response, install_error_handlers
 from common.api.internal import install_internal_routes
 from common.api.render import install_render_routes
 from common.api.routes import install_openai_routes
+from common.api.server_config import ServerConfig
 from common.api.state import ServerState
 from common.cpu import available_cores, format_cpu_list
 from common.engine.async_engine import EngineDeadError

@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
-from common.engine.async_engine import EngineStats
+from common.engine.stats import EngineStats
 from common.kv_transfer import transport_info
 from common.kv_transfer.transfers import DESCRIPTOR_BUCKETS, DescriptorHistogram
 

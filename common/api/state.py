@@ -21,10 +21,10 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from common.api.cli import ServerConfig
 from common.api.errors import NotFoundError, UnavailableError
 from common.api.ignored_fields import IgnoredFields
 from common.api.metrics import ServerMetrics
+from common.api.server_config import ServerConfig
 from common.cpu import available_cores, format_cpu_list
 from common.engine.async_engine import AsyncEngine
 from common.engine.engine import LLMEngine

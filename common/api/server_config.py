@@ -1,0 +1,35 @@
+"""The worker's HTTP server settings (`ServerConfig`), which `common.api.cli` parses from the
+command line; the engine's settings are `common.config.EngineConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.cpu import CpuBudget
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    role: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # None: the model folder's name
+    max_waiting: int = 1024
+    arrival_wait: float = 0.01  # seconds an idle engine waits for requests being parsed
+    max_body_bytes: int = 4 << 20
+    drain_timeout: float = 30.0
+    internal_token: str | None = None  # required by the internal routes when set
+    log_level: str = "info"
+    cpu: CpuBudget = field(default_factory=CpuBudget)  # applied at startup (common/cpu.py)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if not 0 <= self.arrival_wait <= 60:
+            raise ValueError(
+                f"--arrival-wait-ms must be in [0, 60000], got {self.arrival_wait * 1e3:g}"
+            )
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
