@@ -7,6 +7,7 @@ so reading a wrong slot shows up in the output.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -132,6 +133,24 @@ def test_torch_paged_matches_dense_reference(seqs, block_size, sliding_window, d
         want = expected_output(batch, sliding_window)
         assert (out.double() - want).abs().max().item() < 1e-5
         assert torch.equal(batch.kv_cache, batch.expected_cache)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5])
+@pytest.mark.parametrize("decode", ["sdpa", "fused", "native"])
+def test_decodes_with_only_a_bound_on_the_host(sliding_window, decode):
+    """A captured decode's metadata (common/engine/decode_graphs.py): the Python `seq_lens`
+    hold a bound, the lengths are only in `seq_lens_tensor`, and the block table is wider,
+    its extra columns holding other valid block ids. The answer must not change."""
+    backend = TorchPagedBackend(decode == "fused", fused_min_tokens=0, native=decode == "native")
+    batch = build_batch(DECODES_ONLY, 4, seed=1)
+    exact, bound = batch.meta, 64
+    stale = torch.randint(0, batch.kv_cache.shape[1], (exact.num_seqs, bound // 4))
+    stale[:, : exact.block_table.shape[1]] = exact.block_table
+    meta = dataclasses.replace(exact, seq_lens=[bound] * exact.num_seqs, block_table=stale)
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, meta, SCALE,
+                          sliding_window)  # fmt: skip
+    assert (out.double() - expected_output(batch, sliding_window)).abs().max().item() < 1e-5
+    assert torch.equal(batch.kv_cache, batch.expected_cache)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -2,6 +2,9 @@
 
 Sequences are laid out decodes first (one query token each), then prefill chunks.
 `seq_lens` counts each sequence's tokens in the cache after this step (cached prefix + new).
+In a decode replayed as a captured graph (common/engine/decode_graphs.py) the lengths exist
+only on the device, in `seq_lens_tensor`: `seq_lens` then holds the capture's bound for every
+sequence, and a backend must read no context past its `seq_lens_tensor` length.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ class AttentionMetadata:
     block_size: int
     request_ids: list[str]  # (S,) for connectors: whose KV each row is
     memo: dict = field(default_factory=dict)  # per-step values a backend derives once
+    # query_start_loc on the device, int32; set where no host copy may run (a graph capture)
+    query_start_loc_tensor: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

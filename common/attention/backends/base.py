@@ -11,6 +11,10 @@ from common.attention.metadata import AttentionMetadata
 
 class AttentionBackend(ABC):
     name: str
+    # True where a decode replayed as a CUDA graph costs what an eager one does: the backend
+    # reads each context up to its length on the device (`seq_lens_tensor`), never up to the
+    # Python bound in `seq_lens` (common/attention/metadata.py)
+    decode_graphs: bool = False
 
     @classmethod
     def unsupported_reason(

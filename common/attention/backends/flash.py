@@ -30,6 +30,7 @@ def _import_flash():
 
 class FlashAttentionBackend(AttentionBackend):
     name = "flash"
+    decode_graphs = True  # seqused_k / cu_seqlens_k bound every read
 
     def __init__(self) -> None:
         self._fn, self._source = _import_flash()
@@ -64,7 +65,9 @@ class FlashAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         write_kv(kv_cache, key, value, meta.slot_mapping)
         device = query.device
-        cu_q = torch.tensor(meta.query_start_loc, dtype=torch.int32, device=device)
+        cu_q = meta.query_start_loc_tensor
+        if cu_q is None:
+            cu_q = torch.tensor(meta.query_start_loc, dtype=torch.int32, device=device)
         seq_lens = meta.seq_lens_tensor.to(torch.int32)
         max_q = max(meta.query_len(i) for i in range(meta.num_seqs))
         window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)

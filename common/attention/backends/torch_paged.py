@@ -232,6 +232,8 @@ def _decode_plan(meta: AttentionMetadata, nd: int, block_size: int, sliding_wind
         mask = pos < lens
         if sliding_window is not None:
             mask &= pos >= lens - sliding_window
-        mask = None if bool(mask.all()) else mask[:, None, None]
+        # NOTE: no host sync under a CUDA graph capture: the mask then always stays
+        capturing = lens.is_cuda and torch.cuda.is_current_stream_capturing()
+        mask = None if not capturing and bool(mask.all()) else mask[:, None, None]
         meta.memo[key] = (slots, mask)
     return meta.memo[key]
