@@ -33,6 +33,8 @@ class ModelConfig:
     attention_backend: str | None = None  # None: chosen at run time
     seed: int = 0
     enforce_eager: bool = False  # True: plain PyTorch; False: torch.compile (CUDA graphs on GPU)
+    # decode batch sizes run as captured graphs; None: chosen (common/engine/decode_graphs.py)
+    cuda_graph_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -41,6 +43,19 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if torch.device(self.device).type not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.cuda_graph_sizes is not None and any(s < 1 for s in self.cuda_graph_sizes):
+            raise ValueError(f"cuda_graph_sizes must be >= 1, got {list(self.cuda_graph_sizes)}")
+
+    def resolve_max_model_len(self, model_max: int) -> int:
+        """`max_model_len`, or the model's limit (`max_position_embeddings`) where unset."""
+        if self.max_model_len is None:
+            return model_max
+        if self.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's "
+                f"max_position_embeddings={model_max}"
+            )
+        return self.max_model_len
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -81,7 +81,7 @@ def build_parser(role: str) -> argparse.ArgumentParser:
         prog=f"python -m {role}_server",
         description=f"The {role} worker: an OpenAI-compatible server.",
     )
-    _add_model_args(p)
+    _add_model_args(p, role)
     _add_scheduler_args(p)
     _add_server_args(p, role)
     _add_kv_transfer_args(p)
@@ -90,7 +90,7 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     return p
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
     add = p.add_argument_group("model").add_argument
     add(
         "--model",
@@ -129,6 +129,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="run the model in plain PyTorch: no torch.compile, no packed GEMMs, no CUDA graphs "
         "(default: compiled at start-up; inductor's cache in TORCHINDUCTOR_CACHE_DIR keeps "
         "restarts fast)",
+    )
+    add(
+        "--cuda-graph-sizes",
+        type=int,
+        nargs="*",
+        default=() if role == "prefill" else None,  # P decodes one token a request
+        metavar="N",
+        help="decode batch sizes replayed as captured CUDA graphs; a batch runs the smallest size "
+        "that holds it (default for a decode or colocated worker on CUDA with the flash backend: "
+        "1 2 4 8 16 24 32 48 64 96 128 192 256 up to --max-num-seqs, and it; none given, or a "
+        "prefill worker: no graphs). On a CPU, sizes given run "
+        "decodes through the same padded static buffers, uncaptured: a check, not a speed-up",
     )
     add("--seed", type=int, default=0, help="seed of the engine's global RNG")
     add(
@@ -336,6 +348,7 @@ def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, 
                 attention_backend=a.attention_backend,
                 seed=a.seed,
                 enforce_eager=a.enforce_eager,
+                cuda_graph_sizes=None if a.cuda_graph_sizes is None else tuple(a.cuda_graph_sizes),
             ),
             cache=CacheConfig(
                 block_size=a.block_size,

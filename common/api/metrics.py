@@ -150,6 +150,12 @@ class ServerMetrics:
             registry=r,
         )
         self.preemptions = Gauge("pdserve_num_preemptions", "Preemptions since start", registry=r)
+        self.graph_steps = Gauge(
+            "pdserve_num_graph_steps",
+            "Decode steps replayed as a CUDA graph since start (on a CPU, with "
+            "--cuda-graph-sizes: run through the graphs' static buffers)",
+            registry=r,
+        )
         self.transfer_counters = {
             name: Counter(f"pdserve_{name}", doc, registry=r)
             for name, doc in (
@@ -252,6 +258,7 @@ class ServerMetrics:
             queries = stats.prefix_cache_queries
             self.hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0)
             self.preemptions.set(stats.num_preemptions)
+            self.graph_steps.set(stats.num_graph_steps)
             self.blocks_held.set(stats.kv_blocks_held)
             self.blocks_in_transfer.set(stats.kv_blocks_in_transfer)
             self.blocks_quarantined.set(stats.kv_blocks_quarantined)

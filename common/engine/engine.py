@@ -24,6 +24,7 @@ import torch
 
 from common.attention.backends import select_backend
 from common.config import EngineConfig
+from common.engine.decode_graphs import decode_graph_sizes
 from common.engine.model_runner import ModelRunner
 from common.engine.output import OutputProcessor, RequestOutput
 from common.engine.request import Request, RequestStatus
@@ -60,7 +61,7 @@ class LLMEngine:
         model_dir = mc.model_dir
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.arch = load_arch_config(model_dir)
-        self.max_model_len = _max_model_len(mc.max_model_len, self.arch.max_position_embeddings)
+        self.max_model_len = mc.resolve_max_model_len(self.arch.max_position_embeddings)
         self.device = torch.device(mc.device)
         dtype, why = mc.dtype_choice.dtype, mc.dtype_choice.reason
         logger.info("dtype %s (--dtype %s: %s)", str(dtype).removeprefix("torch."), mc.dtype, why)
@@ -91,7 +92,10 @@ class LLMEngine:
             self.model.config, self.num_blocks, cc.block_size, dtype, self.device
         )
         plans = self.ranks and self.ranks.connect(self.tp, cc.block_size)  # ranks loaded
-        self.pool = BlockPool(self.num_blocks, cc.enable_prefix_caching)
+        spare = (self.num_blocks - 1) * cc.block_size >= self.max_model_len  # a pad block
+        graph_sizes = decode_graph_sizes(config, self.device, backend.decode_graphs, self.tp, spare)
+        # the cache's last block pads captured decodes: the pool never hands it out
+        self.pool = BlockPool(self.num_blocks - bool(graph_sizes), cc.enable_prefix_caching)
         eos = tuple(sorted(set(self.arch.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.eos_token_ids = eos
         self.connector = connector or create_connector(config.transfer, cc.block_size, self.pool)
@@ -107,6 +111,9 @@ class LLMEngine:
             enforce_eager=mc.enforce_eager,
             plans=plans,
             kv_shards=self.ranks and self.ranks.kv_shards(self.kv_caches),
+            graph_sizes=graph_sizes,
+            max_model_len=self.max_model_len,
+            pad_block=self.num_blocks - 1,
         )
         self._ready: list[Request] = []  # finished outside a step, reported by the next one
         self._awaiting: list[tuple[Request, float]] = []  # pushed KV still arriving; deadline
@@ -386,13 +393,3 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     # [-2**63, 2**64): wrap, so that the last seed the API accepts still has siblings
     seed = None if params.seed is None else (params.seed + index) % 2**64
     return dataclasses.replace(params, n=1, seed=seed)
-
-
-def _max_model_len(requested: int | None, model_max: int) -> int:
-    if requested is None:
-        return model_max
-    if requested > model_max:
-        raise ValueError(
-            f"max_model_len={requested} exceeds the model's max_position_embeddings={model_max}"
-        )
-    return requested

@@ -1,7 +1,8 @@
 """The model runner: prepare inputs → run the model in a forward context → sample.
 
 A step's batch is flattened: decodes (one new token) first, then prefill chunks. Only a request
-whose computed tokens catch up with its known tokens this step is sampled.
+whose computed tokens catch up with its known tokens this step is sampled. A step of decodes
+only that moves no KV may replay a captured CUDA graph of the forward instead (decode_graphs.py).
 
 With tensor parallelism (`plans`, common/parallel/) this is rank 0: before each forward it
 broadcasts the step's plan, and the other ranks run the same forward on their shards.
@@ -18,6 +19,7 @@ import torch
 from common.attention.context import ForwardContext, forward_context
 from common.attention.metadata import AttentionMetadata
 from common.engine.compiled import CompiledModel
+from common.engine.decode_graphs import DecodeGraphs
 from common.engine.request import Request
 from common.engine.sampler import SampledToken, Sampler
 from common.kv_transfer.base import KVConnector
@@ -48,7 +50,12 @@ class ModelRunner:
         enforce_eager: bool = True,
         plans: PlanChannel | None = None,
         kv_shards: list | None = None,
+        graph_sizes: tuple[int, ...] = (),
+        max_model_len: int = 0,
+        pad_block: int = -1,
     ):
+        """`graph_sizes`: decode batch sizes replayed as CUDA graphs (decode_graphs.py), whose
+        padding rows write KV block `pad_block`, one the block pool never hands out."""
         self.model = model
         self.plans = plans
         self.forward = model if enforce_eager else CompiledModel(model, device, kv_caches[0].dtype)
@@ -61,6 +68,33 @@ class ModelRunner:
         if connector is not None:
             connector.register_kv_caches(self.kv_caches, kv_shards)
         self.compile_seconds = 0.0 if enforce_eager else self.warm_up()
+        self.graphs: DecodeGraphs | None = None
+        self.capture_seconds = 0.0
+        if graph_sizes:
+            assert pad_block >= 0 and plans is None, "graphs need a pad block and one rank"
+            ctx = ForwardContext(None, self.layers, self.kv_caches)
+            self.graphs = DecodeGraphs(
+                self.forward, ctx, graph_sizes, block_size, max_model_len, pad_block
+            )
+            self._capture()
+
+    def _capture(self) -> None:
+        graphs = self.graphs
+        if not graphs.captured:
+            logger.info("decode graph sizes %s: uncaptured on %s", graphs.sizes, self.device)
+            return
+        try:
+            self.capture_seconds = graphs.capture()
+        except Exception:  # a failed capture leaves the eager path, which every step can run
+            logger.exception("CUDA graph capture failed: decodes run without graphs")
+            self.graphs = None
+            return
+        logger.info(
+            "captured %d decode graphs (batch sizes %s) in %.1f s",
+            len(graphs.sizes),
+            " ".join(map(str, graphs.sizes)),
+            self.capture_seconds,
+        )
 
     @torch.inference_mode()
     def warm_up(self) -> float:
@@ -105,8 +139,22 @@ class ModelRunner:
 
     def _execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, SampledToken]:
         batch = self.prepare(scheduled)
-        ctx = ForwardContext(batch.attn_metadata, self.layers, self.kv_caches, self.connector)
         transfers = self.connector is not None and self.connector.has_connector_metadata()
+        meta = batch.attn_metadata
+        if not transfers and self.graphs is not None and self.graphs.fits(meta):
+            hidden = self.graphs.run(batch.input_ids, batch.positions, meta)
+        else:
+            hidden = self._forward(batch, transfers)
+        if not batch.sample_reqs:
+            return {}
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        sampled = self.sampler(logits, batch.sample_reqs)
+        return {req.request_id: s for req, s in zip(batch.sample_reqs, sampled)}
+
+    def _forward(self, batch: ModelInput, transfers: bool) -> torch.Tensor:
+        """The step's hidden states from the model's forward, with the connector's loads and
+        saves around it (`transfers`) and the plan sent to the other ranks."""
+        ctx = ForwardContext(batch.attn_metadata, self.layers, self.kv_caches, self.connector)
         with forward_context(ctx):
             if transfers:
                 self.connector.start_load_kv(ctx)
@@ -118,11 +166,7 @@ class ModelRunner:
             hidden = self.forward(batch.input_ids, batch.positions)
             if transfers:
                 self.connector.wait_for_save()
-        if not batch.sample_reqs:
-            return {}
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        sampled = self.sampler(logits, batch.sample_reqs)
-        return {req.request_id: s for req, s in zip(batch.sample_reqs, sampled)}
+        return hidden
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> ModelInput:
         order = sorted(scheduled, key=lambda rn: rn[1] != 1)  # decodes first, stable

@@ -17,6 +17,7 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    num_graph_steps: int = 0  # decode steps replayed as a CUDA graph (decode_graphs.py)
     kv_transfers: int = 0
     kv_transfer_failures: int = 0
     kv_transfer_bytes: int = 0
@@ -56,6 +57,7 @@ def engine_stats(engine, kv_events) -> EngineStats:
         prefix_cache_queries=pool.num_queries,
         prefix_cache_hits=pool.num_hits,
         num_preemptions=sched.num_preemptions,
+        num_graph_steps=engine.runner.graphs.num_steps if engine.runner.graphs else 0,
         kv_transfers=transfer.num_loads if transfer else 0,
         kv_transfer_failures=transfer.num_failed if transfer else 0,
         kv_transfer_bytes=transfer.bytes_loaded if transfer else 0,

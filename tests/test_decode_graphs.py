@@ -1,0 +1,178 @@
+"""Decode steps through the CUDA graphs' static buffers (common/engine/decode_graphs.py), on a CPU.
+
+A CPU captures nothing, but with --cuda-graph-sizes a decode step runs the same padded static
+buffers and static metadata a captured graph replays: the answers must equal the plain
+forward's, the padding rows must write only the pad block, and the steps a graph must not run
+(prefill chunks, batches over the largest size, steps that load KV) must run the forward. The
+capture itself runs on a GPU only (tests/gpu/check.py, part `speed`).
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from common.config import EngineConfig, ModelConfig, SchedulerConfig
+from common.engine.decode_graphs import DEFAULT_SIZES, decode_graph_sizes
+from common.engine.llm import LLM
+from common.engine.sampling_params import SamplingParams
+from tests.servers import kv_sources, wait_until
+from tests.tiny_models import VOCAB
+
+SIZES = (2, 4)
+
+
+def engine(model_dir: str, **options):
+    return LLM(model_dir, num_blocks=64, block_size=16, dtype="float32", **options).engine
+
+
+def drive(engine) -> tuple[dict[str, list[int]], torch.Tensor, list[tuple[int, int]]]:
+    """Four prompts together, a fifth joining at the third step, different lengths of output:
+    decode batches of 5 (over the largest size), 4, 3 (padded to 4), 2 and 1 (padded to 2),
+    and one step of decodes and a prefill. Returns the tokens, every step's logits and each
+    step's (decodes, tokens)."""
+    logits, shapes = [], []
+    compute, prepare = engine.model.compute_logits, engine.runner.prepare
+    engine.model.compute_logits = lambda h: logits.append(compute(h)) or logits[-1]
+
+    def recorded(scheduled):
+        batch = prepare(scheduled)
+        shapes.append((batch.attn_metadata.num_decodes, batch.attn_metadata.num_tokens))
+        return batch
+
+    engine.runner.prepare = recorded
+    g = torch.Generator().manual_seed(7)
+    lens, outs = [5, 20, 37, 50, 30], [12, 9, 6, 6, 8]
+    tokens: dict[str, list[int]] = {}
+    for i, (n, m) in enumerate(zip(lens, outs)):
+        if i == 4:  # joins a running batch
+            engine.step(), engine.step()
+        prompt = torch.randint(3, VOCAB, (n,), generator=g).tolist()
+        params = SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+        engine.add_request(str(i), prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+    return tokens, torch.cat(logits), shapes
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral-swa"])
+def test_padded_static_decodes_equal_the_forward(tiny_model, arch):
+    model_dir = str(tiny_model(arch))
+    graphs = engine(model_dir, cuda_graph_sizes=SIZES)
+    plain = engine(model_dir)
+    assert plain.runner.graphs is None and graphs.runner.graphs is not None
+    tokens, logits, shapes = drive(graphs)
+    ref_tokens, ref_logits, ref_shapes = drive(plain)
+    assert shapes == ref_shapes
+    assert tokens == ref_tokens
+    assert (logits - ref_logits).abs().max().item() < 1e-4
+    # the path was taken: every decode-only step of at most 4 ran the buffers, in its bucket
+    decode_only = [d for d, t in shapes if d == t]
+    assert 5 in decode_only and any(d < t for d, t in shapes if d), "no oversize or mixed step"
+    buckets = [next(s for s in SIZES if s >= d) for d in decode_only if d <= SIZES[-1]]
+    replays = graphs.runner.graphs.num_replays
+    assert dict(replays) == {s: buckets.count(s) for s in set(buckets)}
+    assert {3, 1} <= set(decode_only), "no padded batch"
+    assert graphs.pool.num_used_blocks == 0
+
+
+def test_padding_writes_only_the_pad_block(tiny_model):
+    llm = engine(str(tiny_model("llama")), cuda_graph_sizes=(4,))
+    runner, graphs = llm.runner, llm.runner.graphs
+    pad = graphs.pad_block
+    assert pad == llm.num_blocks - 1 and llm.pool.num_blocks == llm.num_blocks - 1
+    caches = list(runner.kv_caches.values())
+    run, seen = graphs.run, []
+
+    def checked(input_ids, positions, meta):
+        real = meta.block_table[:, : -(-max(meta.seq_lens) // 16)]
+        assert not (real == pad).any(), "a request holds the pad block"
+        before = [c.clone() for c in caches]
+        hidden = run(input_ids, positions, meta)
+        changed = set()
+        for old, new in zip(before, caches):  # (2, blocks, block_size, H, D)
+            diff = (old != new).flatten(3).any(-1).any(0).flatten()
+            changed |= set(diff.nonzero().flatten().tolist())
+        slots = set(meta.slot_mapping.tolist())
+        assert slots <= changed, "a decode's K/V was not written"
+        pad_slots = set(range(pad * 16, pad * 16 + 16))
+        assert changed - slots <= pad_slots, "padding wrote a request's KV"
+        seen.append(meta.num_seqs)
+        return hidden
+
+    graphs.run = checked
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm.add_request("a", list(range(3, 40)), params)
+    llm.add_request("b", list(range(9, 20)), params)
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert seen == [2] * 5, seen  # padded to 4 in every decode step
+
+
+def test_default_sizes_by_device_backend_and_flags():
+    def sizes(fits=True, tp=None, spare=True, device="cuda", **model):
+        config = EngineConfig(
+            model=ModelConfig(**model), scheduler=SchedulerConfig(max_num_seqs=100)
+        )
+        return decode_graph_sizes(config, torch.device(device), fits, tp, spare)
+
+    assert sizes() == tuple(s for s in DEFAULT_SIZES if s < 100) + (100,)
+    assert sizes(device="cpu") == ()
+    assert sizes(fits=False) == ()  # the torch backend reads up to max_model_len captured
+    assert sizes(enforce_eager=True) == () == sizes(tp=object()) == sizes(spare=False)
+    assert sizes(device="cpu", cuda_graph_sizes=(8, 1, 8)) == (1, 8)
+    assert sizes(fits=False, cuda_graph_sizes=()) == ()
+    with pytest.raises(ValueError, match="cuda_graph_sizes"):
+        ModelConfig(cuda_graph_sizes=(0, 4))
+
+
+def test_cli_sizes():
+    from common.api.cli import parse_args
+
+    def sizes(*argv: str, role="decode"):
+        return parse_args(role, list(argv))[0].model.cuda_graph_sizes
+
+    assert sizes("--cuda-graph-sizes", "8", "2") == (8, 2)
+    assert sizes("--cuda-graph-sizes") == ()
+    assert sizes() is None  # the engine's default
+    assert sizes(role="prefill") == ()  # P decodes one token a request
+    assert sizes("--cuda-graph-sizes", "4", role="prefill") == (4,)
+
+
+@pytest.fixture(scope="module")
+def pd(start_server, tiny_model):
+    common = ["--model", str(tiny_model("llama")), "--num-blocks", "64", "--max-model-len", "256"]
+    common += ["--no-prefix-caching"]  # every prompt's KV read from P, none served locally
+    p = start_server("prefill", *common, "--kv-lease-timeout", "30")
+    graphs = ["--no-enforce-eager", "--cuda-graph-sizes", "1", "4"]
+    d = start_server("decode", *common, "--kv-load-timeout", "10", *graphs)
+    return p, d
+
+
+def test_pd_decodes_through_the_buffers_after_loading_kv(pd):
+    """D loads each prompt's KV from P in an ordinary step (its connector's calls run per
+    layer), then decodes through the buffers; the answers equal P's own colocated ones."""
+    p, d = pd
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (9, 33, 70)]
+    body = dict(max_tokens=10, temperature=0, ignore_eos=True, return_token_ids=True)
+    before = kv_sources(d)
+    for prompt in prompts:
+        remote = dict(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        params = post(p.url, {**body, "prompt": prompt, **remote})["kv_transfer_params"]
+        answer = post(d.url, {**body, "prompt": prompt, "kv_transfer_params": params})
+        reference = post(p.url, {**body, "prompt": prompt})
+        assert answer["choices"][0]["token_ids"] == reference["choices"][0]["token_ids"]
+    assert wait_until(lambda: kv_sources(d)["pull"] - before["pull"] == len(prompts))
+    assert kv_sources(d)["recomputed"] == before["recomputed"]
+    assert d.metric("pdserve_num_graph_steps") >= len(prompts) * 8  # 9 decode steps each
+    assert p.metric("pdserve_num_graph_steps") == 0
+    assert wait_until(lambda: d.metric("pdserve_kv_blocks_used") == 0)
+
+
+def post(url: str, body: dict) -> dict:
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
