@@ -11,10 +11,8 @@ layer at run time and skips padded rows. On CPU (float32, and bfloat16 where one
 bf16) the GEMMs run on oneDNN-packed weights (`common.model.packed_linear`).
 
 NOTE (GPU, untested here: no GPU on this project's machines): nothing above assumes a CPU; on
-CUDA the packing is skipped and inductor emits Triton kernels. CUDA graphs are not used yet:
-the attention op reads per-step metadata built in Python (`AttentionMetadata`), so a captured
-decode would need that metadata in static, preallocated tensors per batch bucket, and the
-decorator's connector calls kept outside the captured region (vLLM's piecewise graphs).
+CUDA the packing is skipped and inductor emits Triton kernels, and decode steps replay this
+forward captured as CUDA graphs (common/engine/decode_graphs.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""Decode tokens/s of the default model (SmolLM2-135M) through `LLM`, compiled (the default)
-or eager, no threshold.
+"""Decode tokens/s of the default model (SmolLM2-135M) through `LLM`, compiled (the default:
+with decode CUDA graphs on CUDA), compiled without graphs (`cuda_graph_sizes=()`) or eager, no
+threshold. With `with_sample`, also its greedy tokens for a few fixed prompts (`sample`), so that
+the modes' answers can be compared; and how many decode steps replayed a graph.
 
 Per batch size: `batch` random prompts of `prompt_len` tokens, greedy, EOS ignored, timed once
 with max_tokens=1 (prefill + first token) and once with `new_tokens`; decode tokens/s is
@@ -26,6 +28,8 @@ def measure(
     enforce_eager: bool = False,
     tensor_parallel_size: int = 1,
     dtype: str = "bfloat16",
+    cuda_graph_sizes: tuple[int, ...] | None = None,  # None: the engine's default
+    with_sample: bool = False,
 ) -> dict:
     llm = LLM(
         model,
@@ -34,9 +38,13 @@ def measure(
         enable_prefix_caching=False,
         enforce_eager=enforce_eager,
         tensor_parallel_size=tensor_parallel_size,
+        cuda_graph_sizes=cuda_graph_sizes,
     )
     try:
-        return _measure(llm, batch_sizes, prompt_len, new_tokens, enforce_eager)
+        result = _measure(llm, batch_sizes, prompt_len, new_tokens, enforce_eager)
+        if with_sample:
+            result["sample"] = sample(llm, llm.engine.arch.vocab_size)
+        return result
     finally:
         llm.shutdown()  # its tensor-parallel ranks too
 
@@ -67,12 +75,16 @@ def _measure(llm: LLM, batch_sizes, prompt_len: int, new_tokens: int, enforce_ea
         )
     backend = next(iter(llm.engine.model.attention_layers().values())).backend.name
     mode = "eager" if enforce_eager else "compiled"
-    compile_s = round(llm.engine.runner.compile_seconds, 1)
+    runner = llm.engine.runner
+    graphs = runner.graphs
     result = {
         "status": "measured",
         "mode": mode,
-        "compile_s": compile_s,
+        "compile_s": round(runner.compile_seconds, 1),
         "backend": backend,
+        "graph_sizes": list(graphs.sizes) if graphs else [],
+        "capture_s": round(runner.capture_seconds, 1),
+        "graph_steps": graphs.num_steps if graphs else 0,
         "rows": rows,
     }
     if llm.engine.tp is not None:  # rank 0's time in each kind of collective, over the runs
@@ -82,6 +94,15 @@ def _measure(llm: LLM, batch_sizes, prompt_len: int, new_tokens: int, enforce_ea
             for kind in stats.calls
         }
     return result
+
+
+def sample(llm: LLM, vocab: int, num_prompts: int = 6, new_tokens: int = 32) -> list[list[int]]:
+    """Greedy tokens of fixed prompts (17-120 tokens), run together: decode batches of 6 down."""
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(17, 120, (num_prompts,), generator=g).tolist()
+    prompts = [torch.randint(20, vocab - 20, (n,), generator=g).tolist() for n in lens]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
 
 
 def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
