@@ -106,6 +106,7 @@ class DecodeGraphs:
         self.metas = {size: self._metadata(size) for size in self.sizes}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays: Counter[int] = Counter()  # by bucket
+        self.capture_bytes = 0  # device memory the captured graphs took
 
     @property
     def num_steps(self) -> int:
@@ -132,20 +133,23 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> float:
         """Capture every bucket's graph (CUDA; largest first, so that the smaller ones reuse
-        its memory pool); returns the seconds it took. Each bucket runs twice eagerly first:
-        whatever compiles or autotunes for its shape does so outside the capture."""
-        start = time.perf_counter()
+        its memory pool); returns the seconds it took, and keeps the memory in
+        `capture_bytes`. Each bucket runs twice eagerly first: whatever compiles or autotunes
+        for its shape does so outside the capture."""
+        start, free = time.perf_counter(), torch.cuda.mem_get_info()[0]
         pool = None
         for size in reversed(self.sizes):
             self._pad(0, size)
             for _ in range(2):
                 self._forward(size)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # NOTE: thread-local: a NIXL/UCX thread's CUDA calls must not void the capture
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 hidden = self._forward(size)
             pool = graph.pool()
             self.graphs[size] = (graph, hidden)
         torch.cuda.synchronize()
+        self.capture_bytes = free - torch.cuda.mem_get_info()[0]
         return time.perf_counter() - start
 
     def _forward(self, size: int) -> torch.Tensor:

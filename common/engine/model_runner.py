@@ -90,10 +90,11 @@ class ModelRunner:
             self.graphs = None
             return
         logger.info(
-            "captured %d decode graphs (batch sizes %s) in %.1f s",
+            "captured %d decode graphs (batch sizes %s) in %.1f s, %.0f MiB",
             len(graphs.sizes),
             " ".join(map(str, graphs.sizes)),
             self.capture_seconds,
+            graphs.capture_bytes / 2**20,
         )
 
     @torch.inference_mode()

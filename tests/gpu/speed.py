@@ -84,6 +84,7 @@ def _measure(llm: LLM, batch_sizes, prompt_len: int, new_tokens: int, enforce_ea
         "backend": backend,
         "graph_sizes": list(graphs.sizes) if graphs else [],
         "capture_s": round(runner.capture_seconds, 1),
+        "capture_mib": round(graphs.capture_bytes / 2**20) if graphs else 0,
         "graph_steps": graphs.num_steps if graphs else 0,
         "rows": rows,
     }
