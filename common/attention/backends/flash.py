@@ -30,12 +30,15 @@ def _import_flash():
 
 class FlashAttentionBackend(AttentionBackend):
     name = "flash"
-    decode_graphs = True  # seqused_k / cu_seqlens_k bound every read
 
     def __init__(self) -> None:
         self._fn, self._source = _import_flash()
         assert self._fn is not None, self._source
         self.name = f"flash ({self._source})"
+        # NOTE: vLLM's bundled kernels read each context up to its own length (`seqused_k`)
+        # under a replayed graph, whatever max_seqlen_k the capture saw (its split-KV kernel
+        # once read the Python bound there); the standalone package may predate that fix
+        self.decode_graphs = self._source == "vllm.vllm_flash_attn"
 
     @classmethod
     def unsupported_reason(cls, device, dtype, block_size) -> str | None:
