@@ -4,7 +4,7 @@ A CPU captures nothing, but with --cuda-graph-sizes a decode step runs the same 
 buffers and static metadata a captured graph replays: the answers must equal the plain
 forward's, the padding rows must write only the pad block, and the steps a graph must not run
 (prefill chunks, batches over the largest size, steps that load KV) must run the forward. The
-capture itself runs on a GPU only (tests/gpu/check.py, part `speed`).
+capture itself runs on a GPU only (tests/gpu/check.py, parts `graphs` and `speed`).
 """
 
 from __future__ import annotations
@@ -17,98 +17,65 @@ from common.config import EngineConfig, ModelConfig, SchedulerConfig
 from common.engine.decode_graphs import DEFAULT_SIZES, decode_graph_sizes
 from common.engine.llm import LLM
 from common.engine.sampling_params import SamplingParams
+from tests.gpu.graphs import SIZES, drive, watch_padding
 from tests.servers import kv_sources, wait_until
 from tests.tiny_models import VOCAB
-
-SIZES = (2, 4)
 
 
 def engine(model_dir: str, **options):
     return LLM(model_dir, num_blocks=64, block_size=16, dtype="float32", **options).engine
 
 
-def drive(engine) -> tuple[dict[str, list[int]], torch.Tensor, list[tuple[int, int]]]:
-    """Four prompts together, a fifth joining at the third step, different lengths of output:
-    decode batches of 5 (over the largest size), 4, 3 (padded to 4), 2 and 1 (padded to 2),
-    and one step of decodes and a prefill. Returns the tokens, every step's logits and each
-    step's (decodes, tokens)."""
-    logits, shapes = [], []
-    compute, prepare = engine.model.compute_logits, engine.runner.prepare
-    engine.model.compute_logits = lambda h: logits.append(compute(h)) or logits[-1]
-
-    def recorded(scheduled):
-        batch = prepare(scheduled)
-        shapes.append((batch.attn_metadata.num_decodes, batch.attn_metadata.num_tokens))
-        return batch
-
-    engine.runner.prepare = recorded
-    g = torch.Generator().manual_seed(7)
-    lens, outs = [5, 20, 37, 50, 30], [12, 9, 6, 6, 8]
-    tokens: dict[str, list[int]] = {}
-    for i, (n, m) in enumerate(zip(lens, outs)):
-        if i == 4:  # joins a running batch
-            engine.step(), engine.step()
-        prompt = torch.randint(3, VOCAB, (n,), generator=g).tolist()
-        params = SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
-        engine.add_request(str(i), prompt, params)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[out.request_id] = out.outputs[0].token_ids
-    return tokens, torch.cat(logits), shapes
-
-
 @pytest.mark.parametrize("arch", ["llama", "mistral-swa"])
 def test_padded_static_decodes_equal_the_forward(tiny_model, arch):
+    """The schedule of tests/gpu/graphs.py: decode batches of 5 (over the largest size), 4, 3
+    (padded to 4), 2 and 1 (padded to 2), and a step of decodes with a prefill."""
     model_dir = str(tiny_model(arch))
     graphs = engine(model_dir, cuda_graph_sizes=SIZES)
     plain = engine(model_dir)
     assert plain.runner.graphs is None and graphs.runner.graphs is not None
-    tokens, logits, shapes = drive(graphs)
-    ref_tokens, ref_logits, ref_shapes = drive(plain)
+    problems = watch_padding(graphs)
+    tokens, logits, shapes = drive(graphs, VOCAB)
+    ref_tokens, ref_logits, ref_shapes = drive(plain, VOCAB)
+    assert problems == []
     assert shapes == ref_shapes
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max().item() < 1e-4
     # the path was taken: every decode-only step of at most 4 ran the buffers, in its bucket
     decode_only = [d for d, t in shapes if d == t]
     assert 5 in decode_only and any(d < t for d, t in shapes if d), "no oversize or mixed step"
+    assert {3, 1} <= set(decode_only), "no padded batch"
     buckets = [next(s for s in SIZES if s >= d) for d in decode_only if d <= SIZES[-1]]
     replays = graphs.runner.graphs.num_replays
     assert dict(replays) == {s: buckets.count(s) for s in set(buckets)}
-    assert {3, 1} <= set(decode_only), "no padded batch"
     assert graphs.pool.num_used_blocks == 0
 
 
 def test_padding_writes_only_the_pad_block(tiny_model):
     llm = engine(str(tiny_model("llama")), cuda_graph_sizes=(4,))
-    runner, graphs = llm.runner, llm.runner.graphs
-    pad = graphs.pad_block
+    pad = llm.runner.graphs.pad_block
     assert pad == llm.num_blocks - 1 and llm.pool.num_blocks == llm.num_blocks - 1
-    caches = list(runner.kv_caches.values())
-    run, seen = graphs.run, []
-
-    def checked(input_ids, positions, meta):
-        real = meta.block_table[:, : -(-max(meta.seq_lens) // 16)]
-        assert not (real == pad).any(), "a request holds the pad block"
-        before = [c.clone() for c in caches]
-        hidden = run(input_ids, positions, meta)
-        changed = set()
-        for old, new in zip(before, caches):  # (2, blocks, block_size, H, D)
-            diff = (old != new).flatten(3).any(-1).any(0).flatten()
-            changed |= set(diff.nonzero().flatten().tolist())
-        slots = set(meta.slot_mapping.tolist())
-        assert slots <= changed, "a decode's K/V was not written"
-        pad_slots = set(range(pad * 16, pad * 16 + 16))
-        assert changed - slots <= pad_slots, "padding wrote a request's KV"
-        seen.append(meta.num_seqs)
-        return hidden
-
-    graphs.run = checked
+    problems = watch_padding(llm)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     llm.add_request("a", list(range(3, 40)), params)
     llm.add_request("b", list(range(9, 20)), params)
     while llm.has_unfinished_requests():
         llm.step()
-    assert seen == [2] * 5, seen  # padded to 4 in every decode step
+    assert llm.runner.graphs.num_replays == {4: 5}  # two decodes padded to 4, five steps
+    assert problems == []
+
+
+def test_the_padding_watch_sees_a_write_outside_the_step(tiny_model):
+    """watch_padding, which the GPU check runs too, reports padding rows aimed at slot 0 (a
+    request's first token, as the pool hands out block 0 first) instead of the pad block."""
+    llm = engine(str(tiny_model("llama")), cuda_graph_sizes=(4,))
+    llm.runner.graphs.pad_slot = 0
+    problems = watch_padding(llm)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm.add_request("a", list(range(3, 40)), params)
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert problems and all("wrote [0]" in p for p in problems), problems
 
 
 def test_default_sizes_by_device_backend_and_flags():

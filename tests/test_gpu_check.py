@@ -54,6 +54,10 @@ def test_cpu_run_passes_pull_and_push_with_kv_transferred(tmp_path):
     assert moved["push"]["bytes_pushed"] > 0 and moved["push"]["num_failed"] == 0
     assert pd["blocks_back"] == {"prefill": True, "decode": True}
 
+    graphs = parts["graphs"]  # decode graphs' buffers, uncaptured on a CPU
+    assert graphs["status"] == "passed" and graphs["problems"] == [] and not graphs["captured"]
+    assert graphs["tokens_equal"] and graphs["replays"] == {"2": 3, "4": 4}
+
     transfer = parts["transfer"]  # the bandwidth part runs its READs (here DRAM) and checks them
     assert transfer["status"] == "measured" and len(transfer["rows"]) == 2
     assert all(r["read_gbps"] > 0 and r["descriptors_a_layer"] == 2 for r in transfer["rows"])

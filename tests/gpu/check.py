@@ -12,11 +12,14 @@ Parts (each bounded, the whole under ~8 minutes on one GPU including model prepa
 - kv_transport: P and D in two processes on two GPUs, one each through CUDA_VISIBLE_DEVICES as
   in docker-compose: pull and push equal colocated, the UCX transport each side reports is
   cuda_ipc (not tcp), and the GB/s (tests/gpu/pd_transport.py); skipped under two GPUs;
-- speed: SmolLM2 bf16 decode tokens/s at batch 1 and 32 (eager), figures only;
+- graphs: decode steps replayed as CUDA graphs against the plain forward, SmolLM2 in bf16 at
+  the default sizes and in fp32 (tests/gpu/graphs.py): the replays, the padding's writes, the
+  answers;
+- speed: SmolLM2 bf16 decode tokens/s at batch 1 and 32, with graphs, without and eager;
 - tp: SmolLM2 split over two GPUs: the greedy tokens of TP 1 in fp32, and bf16 decode tokens/s
   at TP 1 and 2 with the all-reduce time (tests/gpu/tp.py); skipped under two GPUs.
 A JSON summary goes to stdout (and to --out); progress goes to stderr.
-`--device cpu` runs pd, ordering and tp on a tiny random model in fp32 with the torch backend:
+`--device cpu` runs pd, ordering, graphs (uncaptured) and tp on a tiny random model in fp32:
 it checks the script, not the GPU. Exit code: 0 passed, 1 a part failed, 2 needs CUDA.
 """
 
@@ -43,7 +46,7 @@ import torch  # noqa: E402
 from tests.gpu.engines import EngineSpec  # noqa: E402
 from tests.gpu.pd import burst_push, compare, engine_pair  # noqa: E402
 
-PARTS = ("flash", "pd", "ordering", "transfer", "kv_transport", "speed", "tp")
+PARTS = ("flash", "pd", "ordering", "transfer", "kv_transport", "graphs", "speed", "tp")
 NEEDS_CUDA = """\
 tests.gpu.check needs CUDA: torch {torch} sees no GPU here.
 On a CUDA machine, set up as tests/gpu/README.md says, then from the repo root:
@@ -150,6 +153,23 @@ def ordering_part(plan: Plan, processes: int) -> dict:
     }
 
 
+def graphs_part(plan: Plan) -> dict:
+    """Decode graphs against the plain forward (tests/gpu/graphs.py). On CUDA: SmolLM2 in bf16
+    at the default sizes (flash), then in fp32 at sizes 2 and 4 (the torch backend), where the
+    answers must match; on a CPU the tiny model through the same buffers, uncaptured."""
+    from tests.gpu.graphs import SIZES, check
+
+    spec = plan.spec
+    if spec.device != "cuda":
+        return check(spec.model, spec.device, "float32", SIZES, tolerance=1e-4)
+    runs = {
+        "bf16_default": check(None, "cuda", "bfloat16", None),
+        "fp32_torch": check(None, "cuda", "float32", SIZES, tolerance=1e-3),
+    }
+    passed = all(r["status"] == "passed" for r in runs.values())
+    return {"status": "passed" if passed else "failed", **runs}
+
+
 def speed_part(device: str) -> dict:
     if device != "cuda":
         return skipped("tokens/s is measured on CUDA only (SmolLM2, bf16)")
@@ -252,6 +272,8 @@ def run(args: argparse.Namespace, plan: Plan) -> dict:
         parts["transfer"] = run_part("transfer", transfer_part, args.device)
     if "kv_transport" in args.parts:
         parts["kv_transport"] = run_part("kv_transport", kv_transport_part, plan)
+    if "graphs" in args.parts:
+        parts["graphs"] = run_part("graphs", graphs_part, plan)
     if "speed" in args.parts:
         parts["speed"] = run_part("speed", speed_part, args.device)
     if "tp" in args.parts:
