@@ -139,8 +139,8 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
         help="decode batch sizes replayed as captured CUDA graphs; a batch runs the smallest size "
         "that holds it (default for a decode or colocated worker on CUDA with the flash backend: "
         "1 2 4 8 16 24 32 48 64 96 128 192 256 up to --max-num-seqs, and it; none given, or a "
-        "prefill worker: no graphs). On a CPU, sizes given run "
-        "decodes through the same padded static buffers, uncaptured: a check, not a speed-up",
+        "prefill worker: no graphs). On a CPU, sizes given run decodes through the same padded "
+        "static buffers, uncaptured: a check, not a speed-up",
     )
     add("--seed", type=int, default=0, help="seed of the engine's global RNG")
     add(

@@ -77,6 +77,10 @@ def _sizes(config: EngineConfig, device: torch.device, backend_fits: bool, tenso
 
 
 class DecodeGraphs:
+    """The static buffers, each size's metadata over them and (on CUDA) its captured graph:
+    `fits(meta)` says whether a step may run here, `run(...)` runs it, `capture()` records
+    the graphs at start-up."""
+
     def __init__(
         self,
         forward: Forward,
