@@ -10,7 +10,7 @@ import httpx
 from deploy import processes
 from deploy.processes import ROOT, free_port, wait_until
 
-__all__ = ["ROOT", "ServerProcess", "free_port", "kv_sources", "wait_until"]
+__all__ = ["ROOT", "ServerProcess", "complete", "free_port", "kv_sources", "wait_until"]
 
 
 class ServerProcess(processes.ServerProcess):
@@ -45,3 +45,10 @@ def kv_sources(server: ServerProcess) -> dict[str, float]:
         elif name.startswith("pdserve_kv_recomputed_total{"):
             sources["recomputed"] += float(value)
     return sources
+
+
+def complete(url: str, body: dict) -> dict:
+    """POST /v1/completions to a worker or proxy at `url`; the answer, which must be a 200."""
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()

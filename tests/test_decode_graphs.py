@@ -9,7 +9,6 @@ capture itself runs on a GPU only (tests/gpu/check.py, parts `graphs` and `speed
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
 
@@ -17,8 +16,8 @@ from common.config import EngineConfig, ModelConfig, SchedulerConfig
 from common.engine.decode_graphs import DEFAULT_SIZES, decode_graph_sizes
 from common.engine.llm import LLM
 from common.engine.sampling_params import SamplingParams
-from tests.gpu.graphs import SIZES, drive, watch_padding
-from tests.servers import kv_sources, wait_until
+from tests.gpu.graphs import SIZES, drive, expected_replays, watch_padding
+from tests.servers import complete, kv_sources, wait_until
 from tests.tiny_models import VOCAB
 
 
@@ -45,9 +44,9 @@ def test_padded_static_decodes_equal_the_forward(tiny_model, arch):
     decode_only = [d for d, t in shapes if d == t]
     assert 5 in decode_only and any(d < t for d, t in shapes if d), "no oversize or mixed step"
     assert {3, 1} <= set(decode_only), "no padded batch"
-    buckets = [next(s for s in SIZES if s >= d) for d in decode_only if d <= SIZES[-1]]
     replays = graphs.runner.graphs.num_replays
-    assert dict(replays) == {s: buckets.count(s) for s in set(buckets)}
+    assert {s: replays[s] for s in SIZES} == expected_replays(shapes, SIZES) == {2: 3, 4: 4}
+    assert sum(replays.values()) == 7, "a size outside SIZES replayed"
     assert graphs.pool.num_used_blocks == 0
 
 
@@ -128,18 +127,12 @@ def test_pd_decodes_through_the_buffers_after_loading_kv(pd):
     before = kv_sources(d)
     for prompt in prompts:
         remote = dict(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-        params = post(p.url, {**body, "prompt": prompt, **remote})["kv_transfer_params"]
-        answer = post(d.url, {**body, "prompt": prompt, "kv_transfer_params": params})
-        reference = post(p.url, {**body, "prompt": prompt})
+        params = complete(p.url, {**body, "prompt": prompt, **remote})["kv_transfer_params"]
+        answer = complete(d.url, {**body, "prompt": prompt, "kv_transfer_params": params})
+        reference = complete(p.url, {**body, "prompt": prompt})
         assert answer["choices"][0]["token_ids"] == reference["choices"][0]["token_ids"]
     assert wait_until(lambda: kv_sources(d)["pull"] - before["pull"] == len(prompts))
     assert kv_sources(d)["recomputed"] == before["recomputed"]
     assert d.metric("pdserve_num_graph_steps") >= len(prompts) * 8  # 9 decode steps each
     assert p.metric("pdserve_num_graph_steps") == 0
     assert wait_until(lambda: d.metric("pdserve_kv_blocks_used") == 0)
-
-
-def post(url: str, body: dict) -> dict:
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common.config import ModelConfig
-from tests.servers import kv_sources, wait_until
+from tests.servers import complete, kv_sources, wait_until
 from tests.tiny_models import VOCAB
 
 LENGTHS = [3, 9, 15, 16, 17, 24, 31, 33, 40, 47, 50, 63, 64, 65, 80, 97, 120, 130, 150, 170]
@@ -33,12 +33,6 @@ def pd(start_server, model):
     # no prefix cache on D: every block of every prompt is read from P, none served locally
     d = start_server("decode", *common, "--kv-load-timeout", "10", "--no-prefix-caching")
     return p, d
-
-
-def complete(url: str, body: dict) -> dict:
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def prefill(p, body: dict) -> dict:

@@ -194,9 +194,9 @@ def speed_part(device: str) -> dict:
 
 def same_prefix(got: list[list[int]], ref: list[list[int]]) -> dict:
     """Per prompt, how many greedy tokens agree before the first difference."""
-    agree = [
-        next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(got, ref)
-    ]
+    from tests.gpu.graphs import agreeing_prefix
+
+    agree = [agreeing_prefix(x, y) for x, y in zip(got, ref)]
     return {"tokens_each": len(ref[0]), "agreeing_prefix": agree}
 
 

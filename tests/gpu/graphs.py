@@ -77,6 +77,18 @@ def watch_padding(engine) -> list[str]:
     return problems
 
 
+def expected_replays(shapes: list[tuple[int, int]], sizes) -> dict[int, int]:
+    """By size, the steps of `shapes` ((decodes, tokens) each) that should replay its graph:
+    the decode-only ones that fit, each in the smallest size that holds it."""
+    fitting = [d for d, t in shapes if d == t and d <= max(sizes)]
+    return {s: sum(1 for d in fitting if min(x for x in sizes if x >= d) == s) for s in sizes}
+
+
+def agreeing_prefix(got: list[int], ref: list[int]) -> int:
+    """How many tokens agree before the first difference."""
+    return next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), len(got))
+
+
 def check(model: str | None, device: str, dtype: str, sizes=SIZES, tolerance=None) -> dict:
     """Graphs of `sizes` (None: the engine's default) against none, on `model` (None: SmolLM2).
     With `tolerance` (on the logits' largest difference) the tokens must also be equal;
@@ -94,15 +106,11 @@ def check(model: str | None, device: str, dtype: str, sizes=SIZES, tolerance=Non
     if shapes != ref_shapes:
         problems.append(f"other steps: {shapes} vs {ref_shapes}")
     sizes = graphs.sizes
-    fitting = [d for d, t in shapes if d == t and d <= sizes[-1]]
-    expected = {s: sum(1 for d in fitting if min(x for x in sizes if x >= d) == s) for s in sizes}
+    expected = expected_replays(shapes, sizes)
     replays = {s: graphs.num_replays[s] for s in sizes}
     if replays != expected:
         problems.append(f"replays by size {replays}, expected {expected}")
-    agree = {
-        rid: next((i for i, (a, b) in enumerate(zip(t, ref_tokens[rid])) if a != b), len(t))
-        for rid, t in tokens.items()
-    }
+    agree = {rid: agreeing_prefix(t, ref_tokens[rid]) for rid, t in tokens.items()}
     same = tokens == ref_tokens
     diff = (logits - ref_logits).abs().max().item() if logits.shape == ref_logits.shape else None
     if tolerance is not None and not (same and diff is not None and diff < tolerance):
