@@ -156,6 +156,25 @@ _ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
 
 
 @dataclass(frozen=True)
+class CurveServerKeys:
+    """A KV events publisher's CURVE keys (Z85 text): its own secret key, and the public keys of
+    the subscribers it admits."""
+
+    secret_key: str
+    client_public_keys: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.client_public_keys:
+            raise ValueError("kv_events CURVE needs the public key of at least one subscriber")
+        for key in (self.secret_key, *self.client_public_keys):
+            if len(key) != 40:
+                raise ValueError("a kv_events CURVE key is 40 characters of Z85 text")
+
+    def __repr__(self) -> str:  # never log a secret
+        return f"CurveServerKeys(<secret>, {len(self.client_public_keys)} subscribers)"
+
+
+@dataclass(frozen=True)
 class KVEventsConfig:
     """Prefix-cache changes published over ZMQ in vLLM's KV events format
     (common/kv_cache/event_publisher.py). `endpoint=None`: off."""
@@ -165,7 +184,10 @@ class KVEventsConfig:
     topic: str = ""
     max_queue_size: int = 100_000  # batches waiting for the publisher thread; more are dropped
     buffer_steps: int = 10_000  # batches kept for replay
-    hwm: int = 100_000  # ZMQ send high-water mark: past it, slow subscribers miss messages
+    hwm: int = 1000  # ZMQ send high-water mark per subscriber: past it, a slow one misses batches
+    bind_host: str | None = None  # the worker's --host: where a wildcard endpoint binds
+    replay_rate: float = 2000.0  # replayed batches a second per peer host (burst: buffer_steps)
+    curve: CurveServerKeys | None = None  # CURVE: encrypt, and admit only these subscribers
 
     def __post_init__(self) -> None:
         for name in ("endpoint", "replay_endpoint"):
@@ -179,6 +201,8 @@ class KVEventsConfig:
             raise ValueError("a kv_events replay endpoint needs a kv_events endpoint")
         if min(self.max_queue_size, self.buffer_steps, self.hwm) < 1:
             raise ValueError("kv_events queue size, buffer steps and hwm must be >= 1")
+        if not self.replay_rate > 0:
+            raise ValueError("kv_events replay rate must be > 0")
 
     @property
     def is_enabled(self) -> bool:

@@ -114,11 +114,23 @@ def pick_port(host: str, preferred: int | None, taken: set[int]) -> int:
     return port
 
 
-def worker_command(cfg: LocalConfig, role: str, port: int, cpu: WorkerCpu | None) -> list[str]:
+def worker_command(
+    cfg: LocalConfig,
+    role: str,
+    port: int,
+    cpu: WorkerCpu | None,
+    events: tuple[int, int] | None = None,
+) -> list[str]:
+    """The worker's command; `events`: the ports of its KV events PUB and replay ROUTER (bound
+    on the worker's host, loopback), unless the worker arguments name their own."""
     cmd = [sys.executable, "-m", f"{role}_server", "--port", str(port)]
     if cfg.model:
         cmd += ["--model", str(Path(cfg.model).resolve())]
     cmd += tp_args(cfg.tp[role])
+    own = any(arg.startswith("--kv-events-endpoint") for arg in cfg.worker_args)
+    if events is not None and not own:
+        cmd += ["--kv-events-endpoint", f"tcp://*:{events[0]}"]
+        cmd += ["--kv-events-replay-endpoint", f"tcp://*:{events[1]}"]
     if cpu is not None:
         cmd += cpu.worker_args()
     return cmd + list(cfg.worker_args)
@@ -144,7 +156,8 @@ def start_cluster(cfg: LocalConfig, sup: Supervisor, proxy_port: int, log_dir: P
             urls[role].append(f"http://{WORKER_HOST}:{port}")
             name = f"{role}-{i}"
             cpu = plan.workers[name] if plan is not None else None
-            cmd = worker_command(cfg, role, port, cpu)
+            events = (pick_port(WORKER_HOST, None, taken), pick_port(WORKER_HOST, None, taken))
+            cmd = worker_command(cfg, role, port, cpu, events)
             sup.start(name, urls[role][-1], cmd, log_dir / f"{name}.log")
     host = "127.0.0.1" if cfg.host in ("0.0.0.0", "") else cfg.host  # where clients connect
     cmd = proxy_command(cfg, proxy_port, urls)

@@ -196,6 +196,9 @@ class WorkerService:
         return f"{scheme}://{self.name}:{self.port}"
 
 
+KV_EVENTS_PORT = 5557  # and the next port: replay
+
+
 def worker_services(shape: Shape) -> list[WorkerService]:
     """Every worker service, prefill first: prefill-0, ..., decode-0, ... on GPU; on CPU one
     service per role, named after it."""
@@ -244,6 +247,9 @@ def worker_service(shape: Shape, worker: WorkerService, gpus: list[int] | None) 
     kv_host = "auto" if shape.is_cpu else worker.name  # auto: each replica's own container IP
     command = ["python", "-m", f"{worker.role}_server", "--host", "0.0.0.0"]
     command += ["--port", str(worker.port), "--kv-host", kv_host, *device]
+    # KV events on the container's own network, for the proxy's KV-aware routing
+    command += ["--kv-events-endpoint", f"tcp://*:{KV_EVENTS_PORT}"]
+    command += ["--kv-events-replay-endpoint", f"tcp://*:{KV_EVENTS_PORT + 1}"]
     command += tp_args(shape.tp[worker.role])  # TP > 1: colocated only (deploy/tp.py)
     volumes = [f"{CACHE_VOLUME}:{CACHE_DIR}"]
     if shape.model_dir:

@@ -7,7 +7,9 @@
 
 Workers listen on free ports (8100, 8101, ... and 8200, ... when those are free) on 127.0.0.1,
 share one random internal token (in their environment, not on the command line) and log to a file
-each. The launcher prints a banner (every URL, pid and log), waits for the proxy's /ready and then
+each. Each worker publishes its KV events on loopback (two free ports), encrypted with fresh
+CURVE keys that only the proxy's key may subscribe with; the proxy routes by them.
+The launcher prints a banner (every URL, pid and log), waits for the proxy's /ready and then
 stays in the foreground: Ctrl-C or SIGTERM stops every child and exits 0 (deploy/processes.py). A
 child that exits on its own stops the rest and ends the launcher with status 1 and the tail of
 that child's log. Arguments after `--` go to every worker; `--proxy-args` to the proxy.
@@ -35,7 +37,9 @@ import time
 from pathlib import Path
 
 import httpx
+import zmq
 
+from common.kv_cache import curve_keys
 from deploy.cluster import (
     DEFAULT_MODEL,
     LocalConfig,
@@ -101,6 +105,19 @@ class Progress:
     def _write(self, text: str) -> None:
         sys.stderr.write(text)
         sys.stderr.flush()
+
+
+def kv_events_keys() -> dict[str, str]:
+    """Fresh CURVE keys for the KV events (common/kv_cache/curve_keys.py): the workers' pair and
+    the proxy's, every child reading its own from the shared environment."""
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    return {
+        curve_keys.SERVER_SECRET_KEY: server_secret.decode(),
+        curve_keys.CLIENT_KEYS: client_public.decode(),
+        curve_keys.SERVER_KEY: server_public.decode(),
+        curve_keys.CLIENT_SECRET_KEY: client_secret.decode(),
+    }
 
 
 def is_ready(url: str) -> bool:
@@ -206,6 +223,7 @@ def run(cfg: LocalConfig) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PDSERVE_INTERNAL_TOKEN=secrets.token_hex(32), PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.update(kv_events_keys())
     for sig in STOP_SIGNALS:
         signal.signal(sig, _raise_stopped)
     sup = Supervisor(env)

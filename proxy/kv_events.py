@@ -17,6 +17,10 @@ every health flip (`Worker.changed_at`), and keeps one `Subscription` per publis
 
 Until a subscription has caught up once, its worker counts as one without events: routing falls
 back to hashing (proxy/kv_routing.py). A worker that left the pools loses its subscription.
+
+With CURVE keys in the environment (common/kv_cache/curve_keys.py: the workers' public key and
+the proxy's own secret key) both sockets authenticate the worker and are encrypted; the worker
+admits the proxy by its public key.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from common.kv_cache.curve_keys import CurveClientKeys
 from proxy.kv_index import BlockIndex, decode_batch
 from proxy.workers import Worker
 
@@ -84,10 +89,17 @@ def _reachable(endpoint: str, host: str) -> str:
 class Subscription:
     """One worker's event stream, applied to its index in sequence order."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, source: EventsSource, label: str):
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        source: EventsSource,
+        label: str,
+        curve: CurveClientKeys | None = None,
+    ):
         self.ctx = ctx
         self.source = source
         self.label = label  # the worker's URL, for logs
+        self.curve = curve
         self.index = BlockIndex(source.block_size)
         self.next_seq = 0
         self.num_gaps = 0  # batches lost for good (no replay, or past the replay buffer)
@@ -107,8 +119,7 @@ class Subscription:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _run(self) -> None:
-        sub = self.ctx.socket(zmq.SUB)
-        sub.linger = 0
+        sub = self._socket(zmq.SUB)
         sub.subscribe(self.source.topic.encode())
         sub.connect(self.source.endpoint)
         try:
@@ -129,6 +140,15 @@ class Subscription:
             self.is_ready = False
         finally:
             sub.close(linger=0)
+
+    def _socket(self, kind: int) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(kind)
+        sock.linger = 0
+        if ":" in self.source.endpoint.removeprefix("tcp://").rpartition(":")[0]:
+            sock.ipv6 = True
+        if self.curve is not None:
+            self.curve.secure(sock)
+        return sock
 
     async def _receive(self, seq: int, payload: bytes) -> None:
         if seq < self.next_seq:  # a batch the replay already applied
@@ -159,8 +179,7 @@ class Subscription:
         """Apply what the replay endpoint has from `next_seq` on (vLLM's replay protocol)."""
         if self.source.replay_endpoint is None:
             return
-        with self.ctx.socket(zmq.DEALER) as sock:
-            sock.linger = 0
+        with self._socket(zmq.DEALER) as sock:
             sock.connect(self.source.replay_endpoint)
             await sock.send_multipart((b"", self.next_seq.to_bytes(8, "big")))
             while await sock.poll(REPLAY_TIMEOUT_MS):
@@ -183,8 +202,11 @@ class KVEventFeeds:
         workers: Callable[[], list[Worker]],
         headers: dict[str, str],
         connect_timeout: float,
+        curve: CurveClientKeys | None = None,
     ):
+        """`curve`: the subscriptions' CURVE keys; by default those in the environment."""
         self.workers = workers
+        self.curve = curve or CurveClientKeys.from_env()
         self.headers = headers  # the cluster token, for the internal route
         self.timeout = httpx.Timeout(5.0, connect=connect_timeout)
         self.subscriptions: dict[Worker, Subscription] = {}
@@ -254,7 +276,7 @@ class KVEventFeeds:
     def _subscribe(self, worker: Worker, source: EventsSource) -> None:
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
-        sub = self.subscriptions[worker] = Subscription(self._ctx, source, worker.url)
+        sub = self.subscriptions[worker] = Subscription(self._ctx, source, worker.url, self.curve)
         sub.start()
         logger.info("KV events of %s: subscribed to %s", worker.url, source.endpoint)
 

@@ -398,3 +398,10 @@ def test_the_rdma_example_adds_what_rdma_needs(tree):
         assert env(container, "UCX_TLS")["value"].startswith("rc,")
         assert not pod_spec(gpu.deployment(role)).get("hostNetwork"), "only the example"
     assert not pod_spec(rdma.deployment("proxy")).get("hostNetwork")
+
+
+def test_workers_publish_kv_events_on_their_pod_address(r):
+    for role in WORKER_ROLES:
+        args = r.container(role)["args"]
+        assert flag(args, "--kv-events-endpoint") == "tcp://*:5557", (r.target, role)
+        assert flag(args, "--kv-events-replay-endpoint") == "tcp://*:5558", (r.target, role)

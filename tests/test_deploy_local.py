@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from common.api.cli import kv_events_curve
 from common.cpu import parse_cpu_list
 from tests.servers import ROOT, wait_until
 
@@ -160,6 +161,8 @@ def test_serves_through_the_proxy_and_stops_everything(launch, tiny_model, stop)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"]
     assert r.json()["usage"]["completion_tokens"] == 8
+    # KV events are on by default: the proxy indexes every worker's blocks
+    assert wait_until(lambda: metric_lines(url, "pdserve_proxy_kv_index_blocks{") == 2, 30)
 
     launcher.seen.update(descendants(launcher.proc.pid))
     if stop == signal.SIGINT:
@@ -339,3 +342,19 @@ def test_stop_kills_a_child_that_ignores_sigterm_and_what_it_started(tmp_path):
     assert wait_until(lambda: not any(is_alive(p, s) for p, s in seen.items()), timeout=10)
     assert signal.getsignal(signal.SIGINT) is handler, "stop() restores the signal handlers"
     sup.stop()  # idempotent
+
+
+def metric_lines(url: str, prefix: str) -> int:
+    return sum(line.startswith(prefix) for line in httpx.get(f"{url}/metrics").text.splitlines())
+
+
+def test_workers_get_kv_events_on_loopback_with_curve_keys():
+    from deploy.cluster import LocalConfig, worker_command
+    from deploy.local import kv_events_keys
+
+    cmd = worker_command(LocalConfig(), "decode", 8200, None, (5001, 5002))
+    assert cmd[cmd.index("--kv-events-endpoint") + 1] == "tcp://*:5001"
+    assert "--host" not in cmd  # the worker's default: 127.0.0.1, where the wildcard binds
+    own = LocalConfig(worker_args=("--kv-events-endpoint=tcp://*:9",))
+    assert "--kv-events-replay-endpoint" not in worker_command(own, "decode", 8200, None, (1, 2))
+    assert kv_events_curve(kv_events_keys()) is not None

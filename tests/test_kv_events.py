@@ -148,7 +148,8 @@ def test_cli_flags_reach_the_engine_config():
         ["--kv-events-endpoint", "tcp://*:5557", "--kv-events-replay-endpoint", "tcp://*:5558"]
         + ["--kv-events-topic", "w1", "--kv-events-queue-size", "64"],
     )
-    assert engine.kv_events == KVEventsConfig("tcp://*:5557", "tcp://*:5558", "w1", 64)
+    expected = KVEventsConfig("tcp://*:5557", "tcp://*:5558", "w1", 64, bind_host="127.0.0.1")
+    assert engine.kv_events == expected
     assert not parse_args("prefill", [])[0].kv_events.is_enabled
     with pytest.raises(ValueError, match="replay endpoint needs"):
         KVEventsConfig(replay_endpoint="tcp://*:5558")

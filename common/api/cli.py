@@ -15,6 +15,7 @@ import socket
 from common.api.server_config import ServerConfig
 from common.config import (
     CacheConfig,
+    CurveServerKeys,
     EngineConfig,
     KVEventsConfig,
     ModelConfig,
@@ -23,6 +24,7 @@ from common.config import (
     TransferConfig,
 )
 from common.cpu import CpuBudget, parse_cpu_list
+from common.kv_cache import curve_keys
 
 DEFAULT_PORTS = {"prefill": 8100, "decode": 8200}
 # A step's token budget where --max-num-batched-tokens is not given. A prefill worker on a CPU
@@ -277,14 +279,16 @@ def _add_kv_events_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="ENDPOINT",
         help="ZMQ PUB endpoint, e.g. tcp://*:5557: bound when its host is a wildcard (or ipc://, "
-        "inproc://), connected to otherwise, as vLLM does (default: off)",
+        "inproc://), connected to otherwise, as vLLM does; a wildcard binds --host only, not "
+        "every interface (default: off)",
     )
     add(
         "--kv-events-replay-endpoint",
         default=None,
         metavar="ENDPOINT",
-        help="ZMQ ROUTER endpoint (bound) that resends buffered batches from a sequence number, "
-        "e.g. tcp://*:5558 (default: none)",
+        help="ZMQ ROUTER endpoint (bound; a wildcard on --host) that resends buffered batches "
+        "from a sequence number, e.g. tcp://*:5558, a few at a time under a budget per "
+        "subscriber host (default: none)",
     )
     add("--kv-events-topic", default="", help="topic frame of every message (default: empty)")
     add(
@@ -294,6 +298,27 @@ def _add_kv_events_args(p: argparse.ArgumentParser) -> None:
         help="event batches waiting to be sent; past it batches are dropped and counted "
         "(pdserve_kv_events_dropped_total)",
     )
+    add(
+        "--kv-events-hwm",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="batches queued per subscriber (ZMQ's send high-water mark); a slower subscriber "
+        "misses batches past it and catches up by replay. CURVE authentication is set by "
+        "environment: PDSERVE_KV_EVENTS_SERVER_SECRET_KEY and PDSERVE_KV_EVENTS_CLIENT_KEYS "
+        "(or their _FILE twins; docs/security.md)",
+    )
+
+
+def kv_events_curve(environ: dict[str, str] | None = None) -> CurveServerKeys | None:
+    """The KV events publisher's CURVE keys, from the environment (common/kv_cache/curve_keys.py);
+    None when its secret key is not set."""
+    try:
+        secret = curve_keys.read_key(curve_keys.SERVER_SECRET_KEY, environ)
+        clients = curve_keys.read_keys(curve_keys.CLIENT_KEYS, environ)
+    except OSError as e:
+        raise ValueError(f"KV events CURVE keys: {e}") from None
+    return None if secret is None else CurveServerKeys(secret, clients)
 
 
 def _add_cpu_budget(p: argparse.ArgumentParser) -> None:
@@ -379,6 +404,9 @@ def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, 
                 replay_endpoint=a.kv_events_replay_endpoint,
                 topic=a.kv_events_topic,
                 max_queue_size=a.kv_events_queue_size,
+                hwm=a.kv_events_hwm,
+                bind_host=a.host,
+                curve=kv_events_curve(),
             ),
         )
         server = ServerConfig(

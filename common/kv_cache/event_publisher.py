@@ -8,7 +8,15 @@
                        [b"", seq -1 (8 bytes, signed), b""]
 
 A wildcard host (`tcp://*:5557`, `tcp://[::]:5557`) or an ipc/inproc endpoint is bound, any
-other endpoint is connected to (vLLM's rule); the replay endpoint is always bound.
+other endpoint is connected to (vLLM's rule); the replay endpoint is always bound. A wildcard is
+bound on the worker's `--host` (`bind_host`), not on every interface: `tcp://*:5557` keeps
+vLLM's spelling and listens where the worker's HTTP port does.
+
+Hardening: each subscriber's send queue holds at most `hwm` batches (past it that subscriber
+misses batches and catches up by replay); replay requests are served a few batches at a time
+under a budget per peer host (event_replay.py), between sends of new batches; with `curve` both
+sockets speak CURVE (encrypted) and admit only the listed subscribers' public keys, checked by
+a ZAP handler thread of the publisher's own ZMQ context.
 
 `publish` runs on the engine thread and never blocks: it numbers the batch and queues it for
 the publisher's own thread, which encodes, sends and buffers it for replay. When the queue is
@@ -18,22 +26,30 @@ see the gap. Only the publisher's thread touches its sockets; `close` stops it a
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import queue
+import socket
 import threading
 import time
 from collections import deque
 
 import msgspec
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
-from common.config import KVEventsConfig
+from common.config import CurveServerKeys, KVEventsConfig
+from common.kv_cache.event_replay import ReplayMessage, ReplayQueue
 from common.kv_cache.events import KVCacheEvent, KVEventBatch
 
 logger = logging.getLogger(__name__)
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 _IDLE_S = 0.1  # how long the thread waits for a batch before it serves replay requests again
+_REPLAY_CHUNK = 32  # replay messages sent between two looks at the queue of new batches
+_REQUESTS_PER_LOOK = 64  # replay requests read between two looks at the queue
+_WILDCARDS = ("*", "[*]", "::", "[::]", "0.0.0.0")
+_ZAP_DOMAIN = "pdserve-kv-events"
 
 
 def seq_bytes(seq: int) -> bytes:
@@ -50,13 +66,15 @@ class KVEventPublisher:
         self._topic = cfg.topic.encode()
         self._queue: queue.Queue[tuple[int, KVEventBatch]] = queue.Queue(cfg.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
+        self._replays = ReplayQueue(cfg.replay_rate, cfg.buffer_steps)
         self._closing = threading.Event()
         self._ctx = zmq.Context()
+        self._auth = _start_auth(self._ctx, cfg.curve) if cfg.curve else None
         try:
-            self._pub = _open_pub(self._ctx, cfg.endpoint, cfg.hwm)
-            self._replay = _open_replay(self._ctx, cfg.replay_endpoint)
-        except zmq.ZMQError as e:
-            self._ctx.destroy(linger=0)
+            self._pub = _open_pub(self._ctx, cfg)
+            self._replay = _open_replay(self._ctx, cfg)
+        except (zmq.ZMQError, OSError) as e:
+            self._stop_sockets()
             raise ValueError(f"cannot open the KV events endpoint: {e}") from e
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
@@ -100,50 +118,137 @@ class KVEventPublisher:
         encoder = msgspec.msgpack.Encoder()
         try:
             while not (self._closing.is_set() and self._queue.empty()):
-                self._serve_replay()
+                self._publish_queued(encoder)
+                self._receive_replay_requests()
+                if self._replays.is_due:
+                    self._send_replays(self._replays.take(_REPLAY_CHUNK))
+                    continue
                 try:
-                    seq, batch = self._queue.get(timeout=_IDLE_S)
+                    self._publish(encoder, *self._queue.get(timeout=_IDLE_S))
                 except queue.Empty:
                     continue
-                payload = encoder.encode(batch)
-                self._pub.send_multipart((self._topic, seq_bytes(seq), payload))
-                self._buffer.append((seq, payload))
         except Exception:  # noqa: BLE001 — serving goes on without events; say why once
             logger.exception("the KV events thread failed; no more KV events are published")
         finally:
-            self._ctx.destroy(linger=0)
+            self._stop_sockets()
 
-    def _serve_replay(self) -> None:
-        while self._replay is not None and self._replay.poll(0):
-            frames = self._replay.recv_multipart()
-            if len(frames) != 3 or len(frames[2]) != 8:
+    def _stop_sockets(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+        self._ctx.destroy(linger=0)
+
+    def _publish(self, encoder: msgspec.msgpack.Encoder, seq: int, batch: KVEventBatch) -> None:
+        payload = encoder.encode(batch)
+        self._pub.send_multipart((self._topic, seq_bytes(seq), payload))
+        self._buffer.append((seq, payload))
+
+    def _publish_queued(self, encoder: msgspec.msgpack.Encoder) -> None:
+        while True:
+            try:
+                self._publish(encoder, *self._queue.get_nowait())
+            except queue.Empty:
+                return
+
+    def _receive_replay_requests(self) -> None:
+        for _ in range(_REQUESTS_PER_LOOK):
+            if self._replay is None or not self._replay.poll(0):
+                return
+            frames = self._replay.recv_multipart(copy=False)
+            if len(frames) != 3 or len(frames[2].bytes) != 8:
                 logger.warning(
                     "ignoring a malformed KV events replay request (%d frames)", len(frames)
                 )
                 continue
-            client, _, start = frames
-            start_seq = int.from_bytes(start, "big")
-            for seq, payload in list(self._buffer):
-                if seq >= start_seq:
-                    self._replay.send_multipart((client, b"", self._topic, seq_bytes(seq), payload))
-            self._replay.send_multipart((client, b"", b"", END_OF_REPLAY, b""))
+            start_seq = int.from_bytes(frames[2].bytes, "big")
+            batches = [(seq, payload) for seq, payload in self._buffer if seq >= start_seq]
+            peer = _peer_of(frames[0])
+            if not self._replays.add(peer, frames[0].bytes, batches):
+                logger.warning("KV events: a replay request of %s refused (too many)", peer)
+
+    def _send_replays(self, messages: list[ReplayMessage]) -> None:
+        for m in messages:
+            if m.seq is None:
+                self._replay.send_multipart((m.client, b"", b"", END_OF_REPLAY, b""))
+            else:
+                self._replay.send_multipart(
+                    (m.client, b"", self._topic, seq_bytes(m.seq), m.payload)
+                )
 
 
-def _open_pub(ctx: zmq.Context, endpoint: str, hwm: int) -> zmq.Socket:
+def _peer_of(frame: zmq.Frame) -> str:
+    """The requester's host (ZMQ's `Peer-Address`), or its identity where there is none."""
+    try:
+        return frame.get("Peer-Address")
+    except zmq.ZMQError:  # ipc, inproc
+        return frame.bytes.hex()
+
+
+def bind_address(endpoint: str, host: str | None) -> str:
+    """`endpoint` with a wildcard host replaced by `host` (the worker's --host; a name is
+    resolved: ZMQ binds addresses and interfaces). Other endpoints are returned as they are."""
+    if host is None or not endpoint.startswith("tcp://"):
+        return endpoint
+    bound, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if bound not in _WILDCARDS:
+        return endpoint
+    address = _address_of(host)
+    return f"tcp://[{address}]:{port}" if ":" in address else f"tcp://{address}:{port}"
+
+
+def _address_of(host: str) -> str:
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+
+
+def _start_auth(ctx: zmq.Context, keys: CurveServerKeys) -> ThreadAuthenticator:
+    auth = ThreadAuthenticator(ctx, log=logger)
+    auth.start()
+    auth.configure_curve_callback(_ZAP_DOMAIN, _AllowedKeys(keys.client_public_keys))
+    return auth
+
+
+class _AllowedKeys:
+    """The ZAP handler's test of a subscriber's CURVE public key."""
+
+    def __init__(self, keys: tuple[str, ...]):
+        self.keys = frozenset(k.encode() for k in keys)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
+
+
+def _secure(sock: zmq.Socket, cfg: KVEventsConfig, address: str) -> None:
+    if ":" in address.removeprefix("tcp://").rpartition(":")[0]:
+        sock.ipv6 = True
+    if cfg.curve is not None:
+        sock.curve_server = True
+        sock.curve_secretkey = cfg.curve.secret_key.encode()
+        sock.zap_domain = _ZAP_DOMAIN.encode()
+
+
+def _open_pub(ctx: zmq.Context, cfg: KVEventsConfig) -> zmq.Socket:
     sock = ctx.socket(zmq.PUB)
-    sock.set_hwm(hwm)
-    if _is_bind_endpoint(endpoint):
-        sock.bind(endpoint)
+    sock.set_hwm(cfg.hwm)
+    address = bind_address(cfg.endpoint, cfg.bind_host)
+    _secure(sock, cfg, address)
+    if _is_bind_endpoint(cfg.endpoint):
+        sock.bind(address)
     else:
-        sock.connect(endpoint)
+        sock.connect(address)
     return sock
 
 
-def _open_replay(ctx: zmq.Context, endpoint: str | None) -> zmq.Socket | None:
-    if endpoint is None:
+def _open_replay(ctx: zmq.Context, cfg: KVEventsConfig) -> zmq.Socket | None:
+    if cfg.replay_endpoint is None:
         return None
     sock = ctx.socket(zmq.ROUTER)
-    sock.bind(endpoint)
+    sock.set_hwm(cfg.hwm)
+    address = bind_address(cfg.replay_endpoint, cfg.bind_host)
+    _secure(sock, cfg, address)
+    sock.bind(address)
     return sock
 
 

@@ -10,6 +10,7 @@ from importlib import import_module
 
 from common.config import TransferConfig
 from common.kv_cache.block_pool import BlockPool
+from common.kv_transfer import nixl_agent
 from common.kv_transfer.base import KVConnector
 
 # name → "module:class", imported on use (NIXL loads a native library and torch on import)
@@ -21,5 +22,7 @@ def create_connector(
 ) -> KVConnector | None:
     if config.connector is None:
         return None
+    if config.connector == "nixl":  # before the agent loads UCX, which reads it once
+        nixl_agent.listen_on(config.advertise_host)
     module, _, cls = CONNECTORS[config.connector].partition(":")
     return getattr(import_module(module), cls)(config, block_size, pool)

@@ -6,12 +6,24 @@ swapped, for that one call, for a stand-in that sets `pthrDelay` on the way to t
 
 UCX's log is pointed at a file before NIXL loads UCX, and the agent comes back wrapped so that
 each peer's UCX transports are read from it (common/kv_transfer/transport_info.py).
+
+UCX's tcp transport listens on every network interface unless told otherwise. `listen_on(host)`
+(the address peers are told, `--kv-host`), called before the first agent loads UCX, sets
+`UCX_NET_DEVICES` to the interface that holds that address plus the RDMA ports (which listen on
+no IP socket), unless the operator set it. A wildcard or an address no interface holds leaves
+UCX's default.
 """
 
 from __future__ import annotations
 
+import fcntl
+import ipaddress
 import logging
+import os
+import socket
+import struct
 import threading
+from pathlib import Path
 from typing import Any
 
 from common.kv_transfer import transport_info
@@ -19,6 +31,9 @@ from common.kv_transfer import transport_info
 logger = logging.getLogger(__name__)
 
 _AGENT_CREATION_LOCK = threading.Lock()
+NET_DEVICES_ENV = "UCX_NET_DEVICES"
+_SIOCGIFADDR = 0x8915  # <linux/sockios.h>
+_RDMA = Path("/sys/class/infiniband")
 
 
 class _DelayedBind:
@@ -65,3 +80,60 @@ def _import_nixl_api() -> Any:
     except ImportError:
         import nixl_cu12._api as api
     return api
+
+
+def listen_on(host: str) -> None:
+    """Have UCX listen on `host`'s interface only (see the module's docstring)."""
+    if NET_DEVICES_ENV in os.environ:
+        return
+    interface = interface_of(host)
+    if interface is None:
+        logger.info("UCX listens on every interface: %r is no local interface's address", host)
+        return
+    os.environ[NET_DEVICES_ENV] = ",".join([interface, *_rdma_ports()])
+
+
+def interface_of(host: str) -> str | None:
+    """The network interface that holds the address `host` (a name is resolved); None for a
+    wildcard, or an address no interface holds."""
+    try:
+        address = ipaddress.ip_address(
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0].partition("%")[0]
+        )
+    except (OSError, ValueError):
+        return None
+    if address.is_unspecified:
+        return None
+    if address.is_loopback:
+        return "lo"
+    if address.version == 6:
+        return _ipv6_interface(address)
+    return next((name for _, name in socket.if_nameindex() if _ipv4_of(name) == address), None)
+
+
+def _ipv4_of(interface: str) -> ipaddress.IPv4Address | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            answer = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", interface.encode()))
+        except OSError:  # no IPv4 address
+            return None
+    return ipaddress.IPv4Address(answer[20:24])
+
+
+def _ipv6_interface(address: ipaddress.IPv6Address) -> str | None:
+    try:
+        lines = Path("/proc/net/if_inet6").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hex_address, *_, name = line.split()
+        if ipaddress.IPv6Address(int(hex_address, 16)) == address:
+            return name
+    return None
+
+
+def _rdma_ports() -> list[str]:
+    """`mlx5_0:1`-style names of this host's RDMA ports."""
+    if not _RDMA.is_dir():
+        return []
+    return sorted(f"{d.name}:{p.name}" for d in _RDMA.iterdir() for p in (d / "ports").iterdir())

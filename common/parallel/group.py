@@ -1,6 +1,7 @@
 """One rank's end of the tensor-parallel group: the collectives a step needs, each timed.
 
-Two torch.distributed groups over one TCPStore that rank 0 hosts:
+Two torch.distributed groups over one TCPStore that rank 0 hosts (on loopback, closed once
+`connect` has returned on rank 0):
 - the plan group (gloo, CPU tensors): rank 0 broadcasts each step's plan (`plan.py`);
 - the model group (NCCL on CUDA; on CPU the plan group itself): the all-reduces after the
   row-parallel layers and the vocab-parallel embedding, and the gather of the vocab-sharded
@@ -73,8 +74,13 @@ class TPGroup:
     def connect(self, store: dist.Store, timeout: float) -> None:
         """Join the groups (blocks until every rank has called it)."""
         wait = datetime.timedelta(seconds=timeout)
+        gloo = dist.ProcessGroupGloo._Options()
+        gloo._timeout = wait
+        # NOTE: by default gloo listens on the address the host's name resolves to; the ranks
+        # share a host, so loopback does
+        gloo._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         self._plan_pg = dist.ProcessGroupGloo(
-            dist.PrefixStore("plan", store), self.rank, self.size, wait
+            dist.PrefixStore("plan", store), self.rank, self.size, gloo
         )
         self._model_pg = self._plan_pg
         if self.device.type == "cuda":
@@ -82,6 +88,10 @@ class TPGroup:
             options._timeout = wait
             store = dist.PrefixStore("model", store)
             self._model_pg = dist.ProcessGroupNCCL(store, self.rank, self.size, options)
+        # every rank past its rendezvous (NCCL's is lazy: its first collective): rank 0 may
+        # close the store once its own connect returns
+        self.all_reduce_(torch.zeros(1, device=self.device))
+        self.stats.reset()
 
     def close(self) -> None:
         self._plan_pg = self._model_pg = None

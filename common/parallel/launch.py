@@ -9,6 +9,9 @@ is told to stop. Rank 0 is the engine: its thread takes the first share (the eve
 tokenizer threads keep the process's mask). A worker that moves KV over NIXL shares every
 rank's KV cache with rank 0 (kv_shards.py).
 
+The ranks meet at a TCPStore that rank 0 serves on 127.0.0.1 (the ranks share a host); it
+closes once every rank has joined the group, whose gloo sockets listen on 127.0.0.1 too.
+
 Fail closed, never hang: a rank that exits while loading fails the engine's start-up with its
 exit status. A rank that exits later fails whatever collective rank 0 is in at once (its
 sockets close), and the watcher reports it (`on_death`) to an idle engine, which then dies the
@@ -24,6 +27,7 @@ import datetime
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -90,12 +94,12 @@ class RankProcesses:
         shard there."""
         self.shared = shared
         self.timeout = timeout
+        self._store_server: dist.TCPStore | None = _loopback_store(spec.size, timeout)
         self.store = dist.TCPStore(
             "127.0.0.1",
-            0,
+            self._store_server.port,
             spec.size,
-            is_master=True,
-            wait_for_workers=False,
+            is_master=False,
             timeout=datetime.timedelta(seconds=timeout),
         )
         shares = split_budget(available_cores(), torch.get_num_threads(), spec.size)
@@ -142,9 +146,18 @@ class RankProcesses:
                     raise TimeoutError(f"tensor-parallel rank {rank} not ready in {self.timeout} s")
                 time.sleep(0.02)
         group.connect(self.store, self.timeout)
+        self.close_store()  # every rank has joined: the rendezvous is over
         if self.shared:
             self.shared.close_files()  # every rank has mapped its shard
         return PlanChannel(group, group.device, block_size)
+
+    def close_store(self) -> None:
+        """Stop the store's server: its port closes (the group's sockets stay)."""
+        self._store_server = None
+
+    @property
+    def is_store_open(self) -> bool:
+        return self._store_server is not None
 
     def kv_shards(self, kv_caches: list[torch.Tensor]) -> list[ShardTensors] | None:
         """Every rank's KV tensors, rank 0's being `kv_caches`; None unless shared."""
@@ -172,6 +185,7 @@ class RankProcesses:
         does not exit. With no `plans` (the engine failed: a collective may be half done),
         kill them at once."""
         self._stopping = True
+        self.close_store()
         if plans is not None and self.all_alive:
             try:
                 plans.stop(timeout=5.0)
@@ -221,6 +235,23 @@ def start_ranks(
         share_kv_of, spec.size, num_blocks, spec.block_size, dtype
     )
     return RankProcesses(spec, config.parallel.tp_timeout, shared)
+
+
+def _loopback_store(size: int, timeout: float) -> dist.TCPStore:
+    """The rendezvous store's server, on a socket bound to 127.0.0.1: given a port alone,
+    TCPStore listens on every interface."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return dist.TCPStore(
+        "127.0.0.1",
+        sock.getsockname()[1],
+        size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout),
+        master_listen_fd=sock.detach(),
+    )
 
 
 def _spawn(spec: RankSpec) -> subprocess.Popen:
