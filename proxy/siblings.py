@@ -14,7 +14,6 @@ the largest value any process reports.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 
 import httpx
@@ -23,6 +22,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from common.credentials import is_same_secret
 from proxy.processes import ProcessInfo
 
 PEER_HEADER = "x-pdserve-peer"
@@ -45,8 +45,7 @@ class Siblings:
 
     def is_peer(self, headers) -> bool:
         """The request came from a sibling (not from a client that only says so)."""
-        given = headers.get(PEER_HEADER)
-        return given is not None and hmac.compare_digest(given, self.info.token)
+        return is_same_secret(headers.get(PEER_HEADER), self.info.token)
 
     async def broadcast(self, path: str, body: bytes, headers: dict) -> int:
         """POST an admin change to every sibling; how many applied it."""
