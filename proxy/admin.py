@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 
 from common.api.errors import APIError, InvalidRequestError, NotFoundError, UnavailableError
@@ -63,12 +63,13 @@ def install_admin_routes(app: FastAPI, proxy: Proxy) -> None:
         return proxy.siblings is not None and proxy.siblings.is_peer(request.headers)
 
     @app.get("/admin/workers")
-    async def list_workers(request: Request, every: bool = Query(False, alias="all")):
+    async def list_workers(request: Request):
         """This process's view (with `--workers N`, each process checks the workers itself);
         `?all=1`: every process's too, under `processes`."""
         await authorized(request)
         workers = [w.describe() for w in proxy.all_workers()]
         answer = {"workers": workers, "process": proxy.process_index}
+        every = request.query_params.get("all", "").lower() in ("1", "true", "yes")
         if every and not is_peer(request):
             auth = {"authorization": request.headers.get("authorization", "")}
             theirs = await proxy.siblings.views(auth) if proxy.siblings is not None else []
