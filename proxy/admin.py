@@ -10,7 +10,11 @@ set they are refused, so an open proxy cannot be reconfigured by its clients.
   client closes). A worker found by DNS comes back while its address still resolves.
 
 With `--workers N` a change is applied by the process that receives it and then by every other
-(`"processes"` in the answer counts those that did); a list is the answering process's view.
+(`"processes"` in the answer counts those that did). Adding a worker that is there already,
+draining or removing one that is not, changes nothing where it lands and still goes to every
+process, so a retry repairs a change that one of them missed (a 404 only when no process knows
+the worker). A list is the answering process's view; `GET /admin/workers?all=1` adds every
+process's, under `processes`.
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ from typing import Literal
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 
-from common.api.errors import APIError, InvalidRequestError, NotFoundError
+from common.api.errors import APIError, InvalidRequestError, NotFoundError, UnavailableError
 from common.api.http import json_body_openapi, read_json_body
 from proxy.state import Proxy, check_key
-from proxy.workers import Worker, check_worker_url
+from proxy.workers import check_worker_url
 
 
 class AdminForbiddenError(APIError):
@@ -55,30 +59,41 @@ def install_admin_routes(app: FastAPI, proxy: Proxy) -> None:
             first = e.errors()[0]
             raise InvalidRequestError(first["msg"], param=".".join(map(str, first["loc"]))) from e
 
-    def find(url: str) -> Worker:
-        worker = proxy.find_worker(url)
-        if worker is None:
-            raise NotFoundError(f"no worker {url!r}", param="url")
-        return worker
+    def is_peer(request: Request) -> bool:
+        return proxy.siblings is not None and proxy.siblings.is_peer(request.headers)
 
     @app.get("/admin/workers")
     async def list_workers(request: Request):
-        """This process's view (with `--workers N`, each process checks the workers itself)."""
+        """This process's view (with `--workers N`, each process checks the workers itself);
+        `?all=1`: every process's too, under `processes`."""
         await authorized(request)
         workers = [w.describe() for w in proxy.all_workers()]
-        return {"workers": workers, "process": proxy.process_index}
+        answer = {"workers": workers, "process": proxy.process_index}
+        every = request.query_params.get("all", "").lower() in ("1", "true", "yes")
+        if every and not is_peer(request):
+            auth = {"authorization": request.headers.get("authorization", "")}
+            theirs = await proxy.siblings.views(auth) if proxy.siblings is not None else []
+            answer["processes"] = sorted([dict(answer), *theirs], key=lambda v: v["process"])
+        return answer
 
-    async def to_siblings(request: Request, body: BaseModel, answer: dict) -> dict:
-        """With `--workers N`: the same change on every other process (proxy/siblings.py)."""
-        if proxy.siblings is None or proxy.siblings.is_peer(request.headers):
-            return answer
+    async def everywhere(request: Request, body: BaseModel, answer: dict | None) -> dict:
+        """A change applied here goes on to every sibling (proxy/siblings.py), whether or not
+        this process needed it: a retry repairs a change that one of them missed. `answer` is
+        this process's (None: it does not know the worker); a 404 when no process does."""
+        if proxy.siblings is None or is_peer(request):
+            if answer is None and not is_peer(request):
+                raise NotFoundError(f"no worker {body.url!r}", param="url")
+            return answer or {"url": body.url, "missing": True}
         auth = {"authorization": request.headers.get("authorization", "")}
-        path = request.url.path
-        applied = await proxy.siblings.broadcast(path, body.model_dump_json().encode(), auth)
-        return {**answer, "processes": 1 + applied}
-
-    def is_peer(request: Request) -> bool:
-        return proxy.siblings is not None and proxy.siblings.is_peer(request.headers)
+        raw = body.model_dump_json().encode()
+        theirs = await proxy.siblings.broadcast(request.url.path, raw, auth)
+        applied = [a for a in theirs if a is not None]
+        known = [a for a in [answer, *applied] if a is not None and not a.get("missing")]
+        if not known:
+            if len(applied) < len(theirs):
+                raise UnavailableError(f"no process that answered knows {body.url!r}; try again")
+            raise NotFoundError(f"no worker {body.url!r}", param="url")
+        return {**known[0], "processes": 1 + len(applied)}
 
     @app.post("/admin/workers", openapi_extra=json_body_openapi(AddWorker))
     async def add_worker(request: Request):
@@ -87,27 +102,24 @@ def install_admin_routes(app: FastAPI, proxy: Proxy) -> None:
             url = check_worker_url(body.url)
         except ValueError as e:
             raise InvalidRequestError(str(e), param="url") from e
-        if (known := proxy.find_worker(url)) is not None:
-            if is_peer(request):  # a sibling's change this process already has (e.g. by DNS)
-                return known.describe()
-            raise InvalidRequestError(f"{url} is already a worker", param="url")
-        worker = await proxy.admit_worker(body.role, url, "admin")
-        return await to_siblings(request, body, worker.describe())
+        worker = proxy.find_worker(url)  # known already (a retry, or found by DNS): kept
+        if worker is not None and worker.role != body.role:
+            raise InvalidRequestError(f"{url} is already a {worker.role} worker", param="url")
+        worker = worker or await proxy.admit_worker(body.role, url, "admin")
+        return await everywhere(request, body, worker.describe())
 
     @app.post("/admin/workers/drain", openapi_extra=json_body_openapi(WorkerRef))
     async def drain_worker(request: Request):
         body = await body_of(request, WorkerRef)
-        if is_peer(request) and proxy.find_worker(body.url) is None:
-            return {"url": body.url, "missing": True}
-        worker = find(body.url)
-        worker.is_draining = True
-        return await to_siblings(request, body, worker.describe())
+        worker = proxy.find_worker(body.url)
+        if worker is not None:
+            worker.is_draining = True
+        return await everywhere(request, body, worker and worker.describe())
 
     @app.post("/admin/workers/remove", openapi_extra=json_body_openapi(WorkerRef))
     async def remove_worker(request: Request):
         body = await body_of(request, WorkerRef)
-        if is_peer(request) and proxy.find_worker(body.url) is None:
-            return {"url": body.url, "missing": True}
-        worker = find(body.url)
-        proxy.remove_worker(worker)
-        return await to_siblings(request, body, {**worker.describe(), "removed": True})
+        worker = proxy.find_worker(body.url)
+        if worker is not None:
+            proxy.remove_worker(worker)
+        return await everywhere(request, body, worker and {**worker.describe(), "removed": True})

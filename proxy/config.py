@@ -11,15 +11,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from common.credentials import check_secret, pick_secret
 from proxy.admission import RateLimit, parse_key_priorities, parse_rate_limits
 from proxy.discovery import DnsName, is_dns_entry, parse_dns_server
 
 MODES = ("pull", "push", "colocated")
 POLICIES = ("round_robin", "least_outstanding", "power_of_two", "prefix")
 HTTP_CLIENTS = ("lean", "httpx")
+SECRETS = {  # setting: the environment variable it is read from when no flag or file gives it
+    "api_key": "PDSERVE_API_KEY",
+    "admin_key": "PDSERVE_ADMIN_KEY",
+    "internal_token": "PDSERVE_INTERNAL_TOKEN",
+}
+SECRET_FLAGS = frozenset(f"--{n.replace('_', '-')}{end}" for n in SECRETS for end in ("", "-file"))
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,8 @@ class ProxyConfig:
         if self.http_client not in HTTP_CLIENTS:
             raise ValueError(f"http_client must be one of {HTTP_CLIENTS}, got {self.http_client!r}")
         self._check_admission()
+        for name in SECRETS:
+            check_secret(name, getattr(self, name))
         if self.cached_on_decode_tokens < 0:
             raise ValueError(
                 f"cached_on_decode_tokens must be >= 0, got {self.cached_on_decode_tokens}"
@@ -179,9 +188,24 @@ def build_parser() -> argparse.ArgumentParser:
     add("--prefill-policy", choices=POLICIES, help="routing over prefill workers (prefix)")
     add("--decode-policy", choices=POLICIES[:3], help="routing over decode workers")
     add("--prefix-chars", type=int, help="prompt characters that key prefix routing (256)")
-    add("--api-key", help="clients must send 'Authorization: Bearer KEY' (env PDSERVE_API_KEY)")
-    add("--admin-key", help="key of the /admin routes (default: --api-key)")
-    add("--internal-token", help="token for the workers' internal routes (PDSERVE_INTERNAL_TOKEN)")
+    add(
+        "--api-key",
+        help="clients must send 'Authorization: Bearer KEY'; a flag is readable by every user of "
+        "the host: prefer --api-key-file or env PDSERVE_API_KEY",
+    )
+    add("--api-key-file", metavar="PATH", help="read --api-key from this file")
+    add(
+        "--admin-key",
+        help="key of the /admin routes (default: --api-key); or --admin-key-file, env "
+        "PDSERVE_ADMIN_KEY",
+    )
+    add("--admin-key-file", metavar="PATH", help="read --admin-key from this file")
+    add(
+        "--internal-token",
+        help="token for the workers' internal routes; or --internal-token-file, env "
+        "PDSERVE_INTERNAL_TOKEN",
+    )
+    add("--internal-token-file", metavar="PATH", help="read --internal-token from this file")
     add("--max-body-bytes", type=int, help="answer 413 above this body size (4MiB)")
     add("--connect-timeout", type=float, help="seconds to connect to a worker (2)")
     add("--prefill-timeout", type=float, help="seconds one prefill may take (300)")
@@ -241,21 +265,70 @@ _HEALTH_FLAGS = {
 }
 
 
-def parse_args(argv: list[str] | None = None) -> ProxyConfig:
+def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> ProxyConfig:
+    """Flags win over the config file, which wins over the environment (`environ`, by default
+    the process's)."""
     parser = build_parser()
     a = parser.parse_args(argv)
+    environ = os.environ if environ is None else environ
     try:
-        settings = _read_file(a.config) if a.config else {}
-        settings.update({k: v for k, v in vars(a).items() if k != "config" and v is not None})
-        settings.setdefault("api_key", os.environ.get("PDSERVE_API_KEY"))
-        settings.setdefault("internal_token", os.environ.get("PDSERVE_INTERNAL_TOKEN"))
-        return from_dict(settings)
+        file = _normalized(_read_file(a.config)) if a.config else {}
+        flags = {k: v for k, v in vars(a).items() if k != "config" and v is not None}
+        secrets = {n: environ[e] or None for n, e in SECRETS.items() if e in environ}
+        secrets |= _take_secrets(file) | _take_secrets(flags)
+        return from_dict({**file, **flags, **secrets})
     except (OSError, ValueError, TypeError) as e:
         parser.error(str(e))
 
 
+def _take_secrets(settings: dict) -> dict[str, str | None]:
+    """Takes the secrets out of one source of settings (`NAME` or `NAME_file`): those it gives."""
+    given = {}
+    for name in SECRETS:
+        value, path = settings.pop(name, None), settings.pop(f"{name}_file", None)
+        if value is not None or path is not None:
+            given[name] = pick_secret(name.replace("_", "-"), value, path)
+    return given
+
+
+def child_argv(argv: list[str]) -> list[str]:
+    """The command line without its secrets (`--api-key KEY`, `--api-key-file PATH`, ...), for
+    the `--workers N` children: they get the secrets in their environment (`secrets_env`)."""
+    options = list(build_parser()._option_string_actions)  # NOTE: argparse lists them nowhere
+    kept, skip_value = [], False
+    for i, arg in enumerate(argv):
+        if skip_value:
+            skip_value = False
+        elif arg == "--":
+            return kept + argv[i:]
+        elif _full_flag(arg.partition("=")[0], options) in SECRET_FLAGS:
+            skip_value = "=" not in arg
+        else:
+            kept.append(arg)
+    return kept
+
+
+def _full_flag(flag: str, options: list[str]) -> str:
+    """The option `flag` names: itself, or the one it abbreviates (argparse's prefix rule)."""
+    if not flag.startswith("--") or flag in options:
+        return flag
+    matches = [o for o in options if o.startswith(flag)]
+    return matches[0] if len(matches) == 1 else flag
+
+
+def secrets_env(cfg: ProxyConfig) -> dict[str, str | None]:
+    """The secrets as a child's environment variables (None: unset in the child)."""
+    return {env: getattr(cfg, name) for name, env in SECRETS.items()}
+
+
+def with_inherited_secrets(cfg: ProxyConfig, environ: dict) -> ProxyConfig:
+    """A child's config: its secrets are those its supervisor resolved (`secrets_env`), whatever
+    a config file it reads again says."""
+    return replace(cfg, **{name: environ.get(env) or None for name, env in SECRETS.items()})
+
+
 def from_dict(settings: dict) -> ProxyConfig:
-    settings = {k.replace("-", "_"): v for k, v in settings.items()}
+    settings = _normalized(settings)
     health = dict(settings.pop("health", None) or {})
     for flag, name in _HEALTH_FLAGS.items():
         if flag in settings:
@@ -269,6 +342,10 @@ def from_dict(settings: dict) -> ProxyConfig:
     for name in ("rate_limit", "key_priority"):
         settings[name] = _assignments(settings.get(name) or ())
     return ProxyConfig(**settings, health=HealthConfig(**health))
+
+
+def _normalized(settings: dict) -> dict:
+    return {k.replace("-", "_"): v for k, v in settings.items()}
 
 
 def _assignments(value) -> tuple[str, ...]:

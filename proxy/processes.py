@@ -4,17 +4,20 @@ One Python event loop tops out at one core; a Rust router uses every core. So th
 module, light: it never imports the app) binds the public address N times with SO_REUSEPORT,
 one listening socket per process (the kernel spreads new connections over them by address
 hash), plus one private loopback socket per process, and starts each child as `python -m proxy`
-with the same arguments, its two sockets inherited and `PDSERVE_PROXY_PROCESS` (JSON: its index,
-its siblings' private URLs, a random peer token) in its environment.
+with the same arguments but its secrets, its two sockets inherited, and in its environment the
+secrets (`PDSERVE_API_KEY`, ...: a command line is readable by every user of the host) and
+`PDSERVE_PROXY_PROCESS` (JSON: its index, its siblings' private URLs, a random peer token).
 
 What stays per process, and what that costs (docs/design.md, "Proxy processes"): health checks
 (N times the probes), outstanding counts (least-outstanding sees its own requests), prefix
 tables, rate buckets and the concurrency queue (a limit holds per process). Admin changes are
 applied where they land and sent on to every sibling, and a child started again takes its
 siblings' view of the workers; `/metrics` merges the siblings' answers (proxy/siblings.py). The
-parent forwards SIGTERM/SIGINT to every child (each drains as a single proxy does) and exits when
-all have; a child that dies is started again on the same sockets (connections queued on its
-socket wait for it), unless children keep dying.
+parent forwards SIGTERM/SIGINT to every child it started (each drains as a single proxy does;
+one that came during start-up stops the starting) and exits when all have, killing those still
+running after a grace period; its status is 1 unless every child exited with 0 or of that
+signal. A child that dies is started again on the same sockets (connections queued on its socket
+wait for it), unless children keep dying.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +43,8 @@ ENV = "PDSERVE_PROXY_PROCESS"
 MAX_RESTARTS = 5  # deaths within RESTART_WINDOW_S that stop the whole proxy (a crash loop)
 RESTART_WINDOW_S = 60.0
 POLL_S = 0.2
+STOP_GRACE_S = 30.0  # after a stop signal: children still running then are killed
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 PR_SET_PDEATHSIG = 1  # prctl(2)
 
 logger = logging.getLogger(__name__)
@@ -115,18 +121,33 @@ def _private_socket() -> socket.socket:
 
 
 class Supervisor:
-    """Starts the children, forwards stop signals, restarts the dead, waits for all."""
+    """Starts the children, forwards stop signals, restarts the dead, waits for all.
 
-    def __init__(self, argv: list[str], host: str, port: int, count: int):
+    `secret_env` are environment variables of the children (None: unset there): the command line
+    they get (`argv`) holds none. Once a stop signal came, no child is started or started
+    again, and those still running after `stop_grace_s` are killed."""
+
+    def __init__(
+        self,
+        argv: list[str],
+        host: str,
+        port: int,
+        count: int,
+        secret_env: dict[str, str | None] | None = None,
+        stop_grace_s: float = STOP_GRACE_S,
+    ):
         self.argv = argv
+        self.secret_env = secret_env or {}
+        self.stop_grace_s = stop_grace_s
         self.port, self.public = bind_sockets(host, port, count)
         self.private = [_private_socket() for _ in range(count)]
         self.siblings = [f"http://127.0.0.1:{s.getsockname()[1]}" for s in self.private]
         self.token = secrets.token_hex(16)
         self.children: list[subprocess.Popen | None] = [None] * count
         self.deaths: list[float] = []
-        self.stopping = False
-        self.failed = False  # children kept dying: the exit status says so
+        self.stop_signal: int | None = None  # the signal forwarded to the children
+        self.stop_deadline = math.inf
+        self.failed = False  # children kept dying, or did not stop: the exit status says so
 
     def start(self, index: int, restarted: bool = False) -> None:
         public, private = self.public[index], self.private[index]
@@ -139,14 +160,22 @@ class Supervisor:
             "restarted": restarted,
         }
         env = {**os.environ, ENV: json.dumps(info)}
+        for name, value in self.secret_env.items():
+            if value is None:
+                env.pop(name, None)
+            else:
+                env[name] = value
         cmd = [sys.executable, "-m", "proxy", *self.argv]
         fds = (public.fileno(), private.fileno())
-        self.children[index] = subprocess.Popen(
-            cmd, env=env, pass_fds=fds, preexec_fn=_stop_with_parent
-        )
+        with _stop_signals_held():  # a stop signal must find the child in self.children
+            self.children[index] = subprocess.Popen(
+                cmd, env=env, pass_fds=fds, preexec_fn=_child_setup
+            )
 
     def stop(self, signum: int, _frame=None) -> None:
-        self.stopping = True
+        if self.stop_signal is None:
+            self.stop_signal = signum
+            self.stop_deadline = time.monotonic() + self.stop_grace_s
         for child in self.children:
             if child is not None and child.poll() is None:
                 child.send_signal(signum)
@@ -155,22 +184,42 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
         for i in range(len(self.children)):
+            if self.stop_signal is not None:  # stopped while starting: start no more
+                break
             self.start(i)
         logger.info(
             "%d proxy processes on port %d (pids %s)",
             len(self.children),
             self.port,
-            [c.pid for c in self.children],
+            [c.pid for c in self.children if c is not None],
         )
         while True:
-            codes = [c.poll() for c in self.children]
-            if self.stopping and all(code is not None for code in codes):
-                return 1 if self.failed or any(code > 0 for code in codes) else 0
-            if not self.stopping:
+            started = [c for c in self.children if c is not None]
+            codes = [c.poll() for c in started]
+            if self.stop_signal is not None:
+                if all(code is not None for code in codes):
+                    return self._exit_status(codes)
+                if time.monotonic() > self.stop_deadline:
+                    self._kill(started)
+            else:
                 for i, code in enumerate(codes):
                     if code is not None:
                         self._restart(i, code)
             time.sleep(POLL_S)
+
+    def _exit_status(self, codes: list[int]) -> int:
+        """0 when every child exited cleanly: with 0, or of the stop signal itself (one that had
+        not yet set up its handler). Killed by another signal (the OOM killer's SIGKILL, a
+        crash) is a failure."""
+        clean = (0, -self.stop_signal)
+        return 1 if self.failed or any(code not in clean for code in codes) else 0
+
+    def _kill(self, children: list[subprocess.Popen]) -> None:
+        for i, child in enumerate(children):
+            if child.poll() is None:
+                logger.error("proxy process %d did not stop in %gs: killed", i, self.stop_grace_s)
+                child.kill()
+        self.failed = True
 
     def _restart(self, index: int, code: int) -> None:
         now = time.monotonic()
@@ -184,12 +233,26 @@ class Supervisor:
         self.start(index, restarted=True)
 
 
-def _stop_with_parent() -> None:
+@contextmanager
+def _stop_signals_held():
+    """Stop signals wait (are blocked) inside; one that came is handled on leaving."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _child_setup() -> None:
     """In the child, before exec: SIGTERM when the parent dies, even by SIGKILL (Linux), so
-    that no child outlives a supervisor that could not forward the signal."""
+    that no child outlives a supervisor that could not forward the signal; and the stop signals
+    the parent held while starting it unblocked (a signal mask survives exec)."""
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
-def supervise(argv: list[str], host: str, port: int, count: int) -> int:
-    return Supervisor(argv, host, port, count).run()
+def supervise(
+    argv: list[str], secret_env: dict[str, str | None], host: str, port: int, count: int
+) -> int:
+    return Supervisor(argv, host, port, count, secret_env).run()

@@ -1,15 +1,17 @@
 """Run the proxy: parse the command line, then either serve the app with uvicorn (uvloop and
 httptools when installed), or, with `--workers N` above 1, start N such processes on one port
-and supervise them (proxy/processes.py)."""
+and supervise them (proxy/processes.py). The children get the command line without its
+secrets, and the secrets in their environment."""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import uvicorn
 
-from proxy.config import parse_args
+from proxy.config import child_argv, parse_args, secrets_env, with_inherited_secrets
 from proxy.processes import ProcessInfo, default_process_count, supervise
 
 
@@ -17,6 +19,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_args(argv)
     process = ProcessInfo.from_env()
+    if process is not None:
+        cfg = with_inherited_secrets(cfg, os.environ)
     tag = f"[{process.index}]" if process else ""
     logging.basicConfig(
         level=cfg.log_level.upper(),
@@ -35,7 +39,8 @@ def main(argv: list[str] | None = None) -> None:
             list(cfg.decode),
         )
         if count > 1:
-            sys.exit(supervise(argv, cfg.host, cfg.port, count))
+            secrets = secrets_env(cfg)  # never on the children's command line
+            sys.exit(supervise(child_argv(argv), secrets, cfg.host, cfg.port, count))
     from proxy.app import build_app  # NOTE: only where it serves: the supervisor stays light
 
     config = uvicorn.Config(

@@ -1,6 +1,6 @@
 """What one proxy process (of `--workers N`, proxy/processes.py) asks of the others: to apply an
-admin change it received, their workers when it was started again, and their metrics for a
-merged `/metrics`, and whether they are ready.
+admin change it received, their workers (when it was started again, or for a list of every
+process's view), and their metrics for a merged `/metrics`, and whether they are ready.
 
 Calls go to each sibling's private loopback address and carry the peer token
 (`X-Pdserve-Peer`): a sibling applies such an admin change without sending it on, and answers
@@ -14,7 +14,6 @@ the largest value any process reports.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 
 import httpx
@@ -23,6 +22,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from common.credentials import is_same_secret
 from proxy.processes import ProcessInfo
 
 PEER_HEADER = "x-pdserve-peer"
@@ -45,38 +45,50 @@ class Siblings:
 
     def is_peer(self, headers) -> bool:
         """The request came from a sibling (not from a client that only says so)."""
-        given = headers.get(PEER_HEADER)
-        return given is not None and hmac.compare_digest(given, self.info.token)
+        return is_same_secret(headers.get(PEER_HEADER), self.info.token)
 
-    async def broadcast(self, path: str, body: bytes, headers: dict) -> int:
-        """POST an admin change to every sibling; how many applied it."""
-        results = await asyncio.gather(
+    async def broadcast(self, path: str, body: bytes, headers: dict) -> list[dict | None]:
+        """POST an admin change to every sibling: each one's answer (None: not applied)."""
+        return await asyncio.gather(
             *(self._post(url + path, body, headers) for url in self.info.others)
         )
-        return sum(results)
 
-    async def _post(self, url: str, body: bytes, headers: dict) -> bool:
+    async def _post(self, url: str, body: bytes, headers: dict) -> dict | None:
         try:
             r = await self._client.post(url, content=body, headers=headers, timeout=ADMIN_TIMEOUT_S)
         except httpx.HTTPError as e:
             logger.warning("admin change not applied by sibling %s: %r", url, e)
-            return False
+            return None
         if r.status_code != 200:
             logger.warning("admin change refused by sibling %s: %s", url, r.text)
-        return r.status_code == 200
+            return None
+        return r.json()
 
     async def workers(self, headers: dict) -> list[dict] | None:
         """The first answering sibling's `GET /admin/workers` list; None if none answered."""
         for url in self.info.others:
-            try:
-                r = await self._client.get(url + "/admin/workers", headers=headers)
-            except httpx.HTTPError as e:
-                logger.warning("no worker list from sibling %s: %r", url, e)
-                continue
-            if r.status_code == 200:
-                return r.json()["workers"]
-            logger.warning("no worker list from sibling %s: %s", url, r.text)
+            view = await self._view(url, headers)
+            if "workers" in view:
+                return view["workers"]
         return None
+
+    async def views(self, headers: dict) -> list[dict]:
+        """Every sibling's `GET /admin/workers` (`{"process", "workers"}`), or `{"process",
+        "error"}` for one that did not answer."""
+        others = [(i, url) for i, url in enumerate(self.info.siblings) if i != self.info.index]
+        views = await asyncio.gather(*(self._view(url, headers) for _, url in others))
+        return [{"process": i, **view} for (i, _), view in zip(others, views, strict=True)]
+
+    async def _view(self, url: str, headers: dict) -> dict:
+        try:
+            r = await self._client.get(url + "/admin/workers", headers=headers)
+        except httpx.HTTPError as e:
+            logger.warning("no worker list from sibling %s: %r", url, e)
+            return {"error": repr(e)}
+        if r.status_code != 200:
+            logger.warning("no worker list from sibling %s: %s", url, r.text)
+            return {"error": f"{r.status_code}: {r.text}"}
+        return {"workers": r.json()["workers"]}
 
     async def metrics(self) -> list[str]:
         """The siblings' own metrics (one that does not answer is left out, and logged)."""

@@ -11,13 +11,13 @@ running requests finish; a retired one is drained first and removed once idle.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 
 from fastapi import Request
 
 from common.api.errors import AuthenticationError
+from common.credentials import is_same_secret
 from proxy.admission import Admission
 from proxy.config import ProxyConfig
 from proxy.discovery import DnsDiscovery, make_resolver
@@ -178,7 +178,7 @@ def check_key(request: Request, key: str | None) -> None:
         return
     auth = request.headers.get("authorization", "")
     scheme, _, given = auth.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), key):
+    if scheme.lower() != "bearer" or not is_same_secret(given.strip(), key):
         raise AuthenticationError(
             "invalid or missing API key (send Authorization: Bearer KEY)", code="invalid_api_key"
         )

@@ -1,8 +1,9 @@
 """`--workers N`: N proxy processes on one port (proxy/processes.py), in front of stub decode
 workers (tests/stub_worker.py): connections spread over the processes, `/metrics` answered by any
 of them counts every process, `/ready` is 200 only when every process is, an admin change
-reaches every process, SIGTERM drains them all, a killed process is started again, and none
-outlives its supervisor."""
+reaches every process (a retry repairs one that a process missed), SIGTERM drains them all (one
+during start-up too), a killed process is started again, none outlives its supervisor, and no
+secret is on a command line."""
 
 from __future__ import annotations
 
@@ -10,13 +11,16 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 
 from proxy.processes import Supervisor
-from tests.servers import ServerProcess, free_port, wait_until
+from tests.servers import ROOT, ServerProcess, free_port, wait_until
 from tests.stub_worker import StubWorkers
 
 ADMIN = {"Authorization": "Bearer admin-k"}
@@ -235,3 +239,187 @@ def test_no_process_outlives_a_killed_supervisor(tmp_path, stubs):
 
     assert wait_until(lambda: all(gone(pid) for pid in pids), timeout=20)
     proxy.stop()
+
+
+def proc_file(pid: int, name: str) -> list[str]:
+    """`/proc/PID/cmdline` or `/proc/PID/environ`: its NUL-separated strings."""
+    return Path(f"/proc/{pid}/{name}").read_bytes().decode(errors="replace").split("\0")
+
+
+def siblings_of(proxy: ServerProcess) -> tuple[list[str], dict[str, str]]:
+    """The children's private URLs (by index) and the header that makes a call a sibling's,
+    from a child's environment."""
+    pid = processes_seen(proxy)[0]["process"]["pid"]
+    env = dict(item.split("=", 1) for item in proc_file(pid, "environ") if "=" in item)
+    info = json.loads(env["PDSERVE_PROXY_PROCESS"])
+    return info["siblings"], {"X-Pdserve-Peer": info["token"]}
+
+
+def test_no_secret_on_a_command_line(tmp_path, stubs, monkeypatch):
+    """Secrets come from a file or the environment; the children get theirs in their
+    environment, never on their command line (which every user of the host can read), and
+    each enforces them."""
+    admin_file = tmp_path / "admin.key"
+    admin_file.write_text("admin-from-file\n")
+    monkeypatch.setenv("PDSERVE_API_KEY", "client-from-env")
+    args = ["--mode", "colocated", "--decode", stubs.url, "--workers", "2"]
+    args += ["--admin-key-file", str(admin_file), "--internal-token", "token-from-flag"]
+    proxy = ServerProcess("proxy", args, tmp_path / "proxy.log").wait_ready(path="/ready")
+    try:
+        urls, _ = siblings_of(proxy)
+        children = [body["process"]["pid"] for body in processes_seen(proxy).values()]
+        secrets = ("client-from-env", "admin-from-file", "token-from-flag")
+        for pid in children:
+            assert not any(s in arg for s in secrets for arg in proc_file(pid, "cmdline"))
+            assert "PDSERVE_INTERNAL_TOKEN=token-from-flag" in proc_file(pid, "environ")
+        given = proc_file(proxy.proc.pid, "cmdline")  # the flag is the user's choice
+        assert "token-from-flag" in given and not any(s in " ".join(given) for s in secrets[:2])
+        body = {"prompt": "hi", "max_tokens": 2}
+        for url in urls:  # each process, whatever the kernel would pick
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=10)
+            assert r.status_code == 401, r.text
+            auth = {"Authorization": "Bearer client-from-env"}
+            r = httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=10)
+            assert r.status_code == 200, r.text
+            admin = {"Authorization": "Bearer admin-from-file"}
+            assert httpx.get(f"{url}/admin/workers", headers=admin).status_code == 200
+    finally:
+        assert proxy.stop() == 0
+
+
+def test_a_non_ascii_peer_header_is_no_peer(tmp_path, stubs):
+    """A client's `X-Pdserve-Peer` that is not ASCII is a wrong token (the metrics of every
+    process), not a 500 from comparing it."""
+    proxy = start_proxy(tmp_path, stubs)
+    try:
+        urls, _ = siblings_of(proxy)
+        for url in urls:
+            r = httpx.get(f"{url}/metrics", headers={"X-Pdserve-Peer": b"\xff\xfe"})
+            assert r.status_code == 200, r.text
+            assert 'pdserve_proxy_process_requests_total{process="1"}' in r.text
+    finally:
+        assert proxy.stop() == 0
+
+
+def test_a_retry_repairs_an_admin_change_a_process_missed(tmp_path, stubs):
+    """A change one process applied and the other missed (here: sent to one process as if by a
+    sibling, so it goes no further) is repaired by sending it again: add and remove change
+    nothing where they are done already and still go to every process. `?all=1` lists every
+    process's view."""
+    proxy = start_proxy(tmp_path, stubs)
+    urls, peer = siblings_of(proxy)
+    other = stubs.url_of("127.0.0.2")
+    add, ref = {"role": "decode", "url": other}, {"url": other}
+
+    def post(url: str, body: dict, headers: dict) -> dict:
+        r = httpx.post(url, json=body, headers=headers, timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def views() -> dict[int, set[str]]:
+        r = httpx.get(f"{proxy.url}/admin/workers", params={"all": 1}, headers=ADMIN)
+        assert r.status_code == 200, r.text
+        return {v["process"]: {w["url"] for w in v["workers"]} for v in r.json()["processes"]}
+
+    try:
+        post(f"{urls[0]}/admin/workers", add, {**ADMIN, **peer})
+        assert views() == {0: {stubs.url, other}, 1: {stubs.url}}
+        assert post(f"{urls[0]}/admin/workers", add, ADMIN)["processes"] == 2
+        assert views() == {0: {stubs.url, other}, 1: {stubs.url, other}}
+
+        post(f"{urls[1]}/admin/workers/remove", ref, {**ADMIN, **peer})
+        assert views() == {0: {stubs.url, other}, 1: {stubs.url}}
+        assert post(f"{urls[1]}/admin/workers/remove", ref, ADMIN)["processes"] == 2
+        assert views() == {0: {stubs.url}, 1: {stubs.url}}
+        r = httpx.post(f"{proxy.url}/admin/workers/remove", json=ref, headers=ADMIN)
+        assert r.status_code == 404, r.text  # no process knows it
+    finally:
+        assert proxy.stop() == 0
+
+
+STOPPED_WHILE_STARTING = """
+import json, os, signal, sys
+from proxy.processes import Supervisor
+
+class StoppedAfterTheFirst(Supervisor):
+    def start(self, index, restarted=False):
+        super().start(index, restarted)
+        if index == 0:  # the others are not started yet
+            os.kill(os.getpid(), signal.SIGTERM)
+
+sup = StoppedAfterTheFirst(sys.argv[1:], "127.0.0.1", 0, 3)
+code = sup.run()
+print(json.dumps({"code": code, "pids": [c.pid for c in sup.children if c is not None]}))
+"""
+
+
+def test_sigterm_during_start_up_stops_every_child_started(stubs):
+    """A stop signal between two children's starts: the supervisor starts no more, signals
+    those it started, and exits (it waited forever on children it never signalled)."""
+    args = ["--mode", "colocated", "--decode", stubs.url, "--workers", "3"]
+    cmd = [sys.executable, "-c", STOPPED_WHILE_STARTING, *args]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert result["code"] == 0 and len(result["pids"]) == 1, result
+    with pytest.raises(ProcessLookupError):
+        os.kill(result["pids"][0], 0)
+
+
+def test_a_child_killed_by_a_signal_is_no_clean_exit(tmp_path, stubs):
+    """Killed by SIGKILL (as by the OOM killer) while the proxy stops: the exit status says
+    so. The supervisor is held stopped meanwhile, so it cannot start the child again first."""
+    proxy = start_proxy(tmp_path, stubs)
+    pids = {i: body["process"]["pid"] for i, body in processes_seen(proxy).items()}
+    os.kill(proxy.proc.pid, signal.SIGSTOP)
+    try:
+        os.kill(pids[1], signal.SIGKILL)
+        assert wait_until(lambda: Path(f"/proc/{pids[1]}/stat").read_text().split()[2] == "Z")
+        proxy.proc.send_signal(signal.SIGTERM)
+    finally:
+        os.kill(proxy.proc.pid, signal.SIGCONT)
+    assert proxy.proc.wait(timeout=30) == 1
+    proxy.stop()
+
+
+ONE_CHILD_HANGS = """
+import json, os, signal, sys
+from proxy.processes import Supervisor
+
+class OneChildHangs(Supervisor):
+    def stop(self, signum, frame=None):
+        os.kill(self.children[0].pid, signal.SIGSTOP)  # the stop signal will not act on it
+        super().stop(signum, frame)
+
+sup = OneChildHangs(sys.argv[1:], "127.0.0.1", 0, 2)
+sup.stop_grace_s = 1.0
+print(sup.port, flush=True)
+code = sup.run()
+print(json.dumps({"code": code, "pids": [c.pid for c in sup.children]}))
+"""
+
+
+def is_ok(url: str) -> bool:
+    try:
+        return httpx.get(url).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_shutdown_is_bounded_when_a_child_does_not_stop(stubs):
+    """A child that does not stop within the grace period is killed, and the status says so."""
+    args = ["--mode", "colocated", "--decode", stubs.url, "--workers", "2"]
+    cmd = [sys.executable, "-c", ONE_CHILD_HANGS, *args]
+    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True) as sup:
+        try:
+            url = f"http://127.0.0.1:{int(sup.stdout.readline())}/ready"
+            assert wait_until(lambda: is_ok(url), timeout=30)
+            sup.send_signal(signal.SIGTERM)
+            assert sup.wait(timeout=30) == 0
+        finally:
+            sup.kill()
+        result = json.loads(sup.stdout.read())
+    assert result["code"] == 1, result
+    for pid in result["pids"]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

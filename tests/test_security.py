@@ -142,6 +142,29 @@ def test_push_needs_the_proxys_token_too(start_proxy, workers):
     assert proxy.metric(colocated) == 1
 
 
+NON_ASCII = b"\xff\xfe\xc3\xa9"  # raw header bytes: latin-1 to the server, not ASCII
+
+
+def test_non_ascii_credentials_are_refused_not_a_server_error(proxy, workers):
+    """A header's value may hold any byte: a credential that is not ASCII is a wrong one (401),
+    not a 500 from comparing it."""
+    p, d = workers
+    client, token = {"Authorization": b"Bearer " + NON_ASCII}, {"X-Internal-Token": NON_ASCII}
+    generate = {"prompt": "hi", "max_tokens": 2, "kv_transfer_params": {"do_remote_decode": True}}
+    refused = [
+        (proxy.url, "GET", "/v1/models", None, client),
+        (proxy.url, "GET", "/admin/workers", None, client),
+        (d.url, "GET", "/internal/kv/peers", None, token),
+        (p.url, "POST", "/internal/kv/release", {"request_id": "r"}, token),
+        (p.url, "POST", "/v1/completions", generate, token),
+    ]
+    for url, method, path, body, headers in refused:
+        assert_error(call(url, method, path, body, headers), 401, "authentication_error")
+    for path in ("/health", "/ready", "/metrics"):  # open: the header is no credential there
+        r = httpx.get(f"{proxy.url}{path}", headers=client)
+        assert r.status_code == 200, path
+
+
 def other_local_address() -> str:
     """An address of this machine other than 127.0.0.1: the outgoing interface's, else
     127.0.0.2 (Linux routes all of 127/8 over lo)."""

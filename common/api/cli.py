@@ -24,6 +24,7 @@ from common.config import (
     TransferConfig,
 )
 from common.cpu import CpuBudget, parse_cpu_list
+from common.credentials import pick_secret
 from common.kv_cache import curve_keys
 
 DEFAULT_PORTS = {"prefill": 8100, "decode": 8200}
@@ -217,10 +218,12 @@ def _add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     )
     add(
         "--internal-token",
-        default=os.environ.get("PDSERVE_INTERNAL_TOKEN"),
+        default=None,
         help="cluster token: internal routes (handshake, reserve, release) refuse requests "
-        "without it, and peers are sent it (default: env PDSERVE_INTERNAL_TOKEN)",
+        "without it, and peers are sent it (default: env PDSERVE_INTERNAL_TOKEN); a flag is "
+        "readable by every user of the host: prefer --internal-token-file or the environment",
     )
+    add("--internal-token-file", metavar="PATH", help="read --internal-token from this file")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -360,6 +363,13 @@ def default_step_tokens(role: str, device: str) -> int:
     return PREFILL_CPU_STEP_TOKENS if role == "prefill" and device == "cpu" else DEFAULT_STEP_TOKENS
 
 
+def _internal_token(a: argparse.Namespace) -> str | None:
+    """--internal-token or --internal-token-file, else env PDSERVE_INTERNAL_TOKEN."""
+    if a.internal_token is None and a.internal_token_file is None:
+        return os.environ.get("PDSERVE_INTERNAL_TOKEN") or None
+    return pick_secret("internal-token", a.internal_token, a.internal_token_file)
+
+
 def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfig]:
     parser = build_parser(role)
     a = parser.parse_args(argv)
@@ -418,7 +428,7 @@ def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, 
             arrival_wait=a.arrival_wait_ms / 1e3,
             max_body_bytes=a.max_body_bytes,
             drain_timeout=a.drain_timeout,
-            internal_token=a.internal_token or None,
+            internal_token=_internal_token(a),
             log_level=a.log_level,
             cpu=CpuBudget(cores=a.cpu_cores, num_threads=a.cpu_threads),
         )

@@ -22,7 +22,6 @@ incompatible one with a message that names what differs.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 
 import httpx
@@ -38,6 +37,7 @@ from common.api.errors import (
 from common.api.http import json_body_openapi, read_json_body
 from common.api.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from common.api.state import ServerState
+from common.credentials import is_same_secret
 from common.kv_cache.block_pool import NoFreeBlocksError
 from common.kv_transfer.handshake import (
     HandshakeInfo,
@@ -67,7 +67,7 @@ TOKEN_HEADER = "X-Internal-Token"
 
 def check_internal_token(state: ServerState, request: Request) -> None:
     token = state.cfg.internal_token
-    if token and not hmac.compare_digest(request.headers.get(TOKEN_HEADER, ""), token):
+    if token and not is_same_secret(request.headers.get(TOKEN_HEADER), token):
         raise AuthenticationError(f"internal routes need the cluster token ({TOKEN_HEADER})")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.cpu import CpuBudget
+from common.credentials import check_secret
 
 
 @dataclass(frozen=True)
@@ -33,3 +34,4 @@ class ServerConfig:
             )
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        check_secret("internal_token", self.internal_token)
