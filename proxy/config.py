@@ -61,7 +61,7 @@ class ProxyConfig:
     discovery_interval: float = 5.0  # seconds between resolutions of a dns:// entry
     dns_server: str | None = None  # IP[:PORT] asked instead of the system's resolver
     rate_limit: tuple[str, ...] = ()  # KEY=RPS[:BURST]; the key `default`: every key not listed
-    key_priority: tuple[str, ...] = ()  # KEY=high|normal|low: the key's default and ceiling
+    key_priority: tuple[str, ...] = ()  # KEY=high|normal|low: its default and ceiling; `default`
     max_concurrency: int = 0  # requests in flight through the proxy; 0: no limit, no queue
     max_queue: int = 1024  # requests waiting for a slot beyond that
     queue_timeout: float = 30.0  # the longest wait for a slot, seconds
@@ -200,7 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="KEY=RPS[:BURST]: a token bucket for that API key; KEY 'default' for every key "
         "not listed, 'anonymous' for requests without one (repeat; default: no limit)",
     )
-    add("--key-priority", action="append", help="KEY=high|normal|low: its class and ceiling")
+    add(
+        "--key-priority",
+        action="append",
+        help="KEY=high|normal|low: the class of that key's requests and the highest it may ask "
+        "for; KEY 'default' for every key not listed (repeat; default: normal, no ceiling)",
+    )
     add("--max-concurrency", type=int, help="requests in flight; more wait in a queue (0: off)")
     add("--max-queue", type=int, help="requests waiting for a slot; 429 beyond (1024)")
     add("--queue-timeout", type=float, help="seconds a request may wait for a slot (30)")
