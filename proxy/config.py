@@ -15,7 +15,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from proxy.admission import RateLimit, parse_key_priorities, parse_rate_limits
-from proxy.discovery import DnsName, is_dns_entry, parse_dns_server
+from proxy.discovery import (
+    MAX_WORKERS,
+    DiscoveryLimits,
+    DnsName,
+    is_dns_entry,
+    parse_dns_server,
+)
 
 MODES = ("pull", "push", "colocated")
 POLICIES = ("round_robin", "least_outstanding", "power_of_two", "prefix")
@@ -60,6 +66,8 @@ class ProxyConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     discovery_interval: float = 5.0  # seconds between resolutions of a dns:// entry
     dns_server: str | None = None  # IP[:PORT] asked instead of the system's resolver
+    discovery_max_workers: int = MAX_WORKERS  # workers one dns:// entry may bring; the lowest
+    discovery_allow: tuple[str, ...] = ()  # CIDRs a discovered address must be in; () any
     rate_limit: tuple[str, ...] = ()  # KEY=RPS[:BURST]; the key `default`: every key not listed
     key_priority: tuple[str, ...] = ()  # KEY=high|normal|low: its default and ceiling; `default`
     max_concurrency: int = 0  # requests in flight through the proxy; 0: no limit, no queue
@@ -90,6 +98,7 @@ class ProxyConfig:
             raise ValueError(f"discovery_interval must be > 0, got {self.discovery_interval}")
         if self.dns_server is not None:
             parse_dns_server(self.dns_server)
+        DiscoveryLimits(self.discovery_max_workers, self.discovery_allow)  # raises if bad
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         for name in ("prefill_policy", "decode_policy"):
@@ -143,8 +152,13 @@ class ProxyConfig:
     def static_urls(self, role: str) -> list[str]:
         return [e for e in getattr(self, role) if not is_dns_entry(e)]
 
+    @property
+    def discovery_limits(self) -> DiscoveryLimits:
+        return DiscoveryLimits(self.discovery_max_workers, self.discovery_allow)
+
     def dns_names(self, role: str) -> list[DnsName]:
-        return [DnsName.parse(e) for e in getattr(self, role) if is_dns_entry(e)]
+        limits = self.discovery_limits
+        return [DnsName.parse(e, limits) for e in getattr(self, role) if is_dns_entry(e)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,6 +208,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("--health-successes", type=int, help="good checks that readmit it (1)")
     add("--discovery-interval", type=float, help="seconds between DNS resolutions (5)")
     add("--dns-server", help="IP[:PORT] of the DNS server to ask (default: the system's)")
+    add(
+        "--discovery-max-workers",
+        type=int,
+        help=f"workers one dns:// entry may bring; beyond, the lowest addresses are kept and "
+        f"the rest logged ({MAX_WORKERS})",
+    )
+    add(
+        "--discovery-allow",
+        action="append",
+        metavar="CIDR",
+        help="admit a discovered address only if it is in CIDR; others are dropped and logged "
+        "(repeat; default: any address)",
+    )
     add(
         "--rate-limit",
         action="append",
@@ -271,6 +298,8 @@ def from_dict(settings: dict) -> ProxyConfig:
         raise ValueError(f"unknown settings: {', '.join(unknown)}")
     for role in ("prefill", "decode"):
         settings[role] = tuple(settings.get(role) or ())
+    allow = settings.get("discovery_allow") or ()
+    settings["discovery_allow"] = (allow,) if isinstance(allow, str) else tuple(allow)
     for name in ("rate_limit", "key_priority"):
         settings[name] = _assignments(settings.get(name) or ())
     return ProxyConfig(**settings, health=HealthConfig(**health))
