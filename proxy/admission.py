@@ -2,14 +2,16 @@
 
 - **Rate limits.** A token bucket per API key (the `Authorization: Bearer KEY`; requests with
   no key share the key `anonymous`): `--rate-limit KEY=RPS[:BURST]`, and `default=RPS[:BURST]`
-  for every key not listed (each its own bucket). Off unless given.
+  for every key not listed (each its own bucket). Off unless given. The buckets are an LRU of
+  at most `MAX_BUCKETS`: a new key past it drops the least recently used bucket, in O(1).
 - **Concurrency.** At most `--max-concurrency` requests hold a slot, from admission until their
   response has been sent (or the client left); 0 is no limit. The others wait in one bounded
   queue (`--max-queue`), each for at most `--queue-timeout` seconds, highest class first, then
   by arrival. A client that leaves while queued leaves the queue.
 - **Priority classes.** `X-Priority: high|normal|low`. A key listed in `--key-priority
-  KEY=CLASS` defaults to that class and cannot ask for a higher one; other keys default to
-  `normal`.
+  KEY=CLASS` defaults to that class and cannot ask for a higher one; `default=CLASS` does the
+  same for every key not listed (requests without a key included, unless `anonymous` is
+  listed); with no `default`, other keys default to `normal` and may ask for any class.
 
 Every refusal is a 429 in OpenAI's shape (`type` `rate_limit_error`, `code` `rate_limited`,
 `queue_full` or `queue_timeout`) with `Retry-After`: the retry that OpenAI's clients make on
@@ -23,6 +25,7 @@ import heapq
 import itertools
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -33,7 +36,7 @@ from common.api.errors import APIError, InvalidRequestError, OverloadedError
 PRIORITIES = ("high", "normal", "low")  # a class's rank is its index: lower starts first
 DEFAULT_KEY = "default"  # --rate-limit default=...: every key not listed
 ANONYMOUS_KEY = "anonymous"  # requests without a key
-MAX_BUCKETS = 10_000  # past this, full buckets (the same as new ones) are dropped
+MAX_BUCKETS = 10_000  # past this, the least recently used bucket is dropped
 
 
 @dataclass(frozen=True)
@@ -108,10 +111,6 @@ class TokenBucket:
             return 0.0
         return (1 - self.tokens) / self.limit.rps
 
-    def is_full(self, now: float) -> bool:
-        self._refill(now)
-        return self.tokens >= self.limit.burst
-
     def _refill(self, now: float) -> None:
         elapsed = max(0.0, now - self.stamp)
         self.tokens = min(self.limit.burst, self.tokens + elapsed * self.limit.rps)
@@ -119,12 +118,20 @@ class TokenBucket:
 
 
 class RateLimiter:
-    """A token bucket per key; keys with no limit (and no default) are never counted."""
+    """A token bucket per key; keys with no limit (and no default) are never counted. At most
+    `max_buckets` buckets, least recently used first out: a dropped key starts again full."""
 
-    def __init__(self, limits: dict[str, RateLimit], clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        limits: dict[str, RateLimit],
+        clock: Callable[[], float] = time.monotonic,
+        max_buckets: int = MAX_BUCKETS,
+    ):
+        assert max_buckets > 0, "a rate limiter needs room for one bucket"
         self.limits = limits
         self.clock = clock
-        self.buckets: dict[str, TokenBucket] = {}
+        self.max_buckets = max_buckets
+        self.buckets: OrderedDict[str, TokenBucket] = OrderedDict()  # least recently used first
 
     def wait_s(self, key: str) -> float:
         """0.0 if `key` may send a request now (a token is taken), else seconds to wait."""
@@ -134,9 +141,11 @@ class RateLimiter:
         now = self.clock()
         bucket = self.buckets.get(key)
         if bucket is None:
-            if len(self.buckets) >= MAX_BUCKETS:
-                self.buckets = {k: b for k, b in self.buckets.items() if not b.is_full(now)}
+            if len(self.buckets) >= self.max_buckets:
+                self.buckets.popitem(last=False)
             bucket = self.buckets[key] = TokenBucket(limit, now)
+        else:
+            self.buckets.move_to_end(key)
         return bucket.take(now)
 
 
@@ -156,7 +165,9 @@ class Slot:
 class SlotQueue:
     """At most `max_running` slots held; up to `max_waiting` requests wait for one, by class
     then arrival, each for at most `timeout` seconds. A freed slot passes straight to the first
-    waiter, so a newcomer never overtakes the queue."""
+    waiter, so a newcomer never overtakes the queue. A waiter that leaves (its deadline passed
+    or its client left) is swept from the heap once the leavers outnumber the waiters, so the
+    heap holds at most `2 * max_waiting` entries."""
 
     def __init__(self, max_running: int, max_waiting: int, timeout: float):
         assert max_running > 0, "a SlotQueue bounds the running requests"
@@ -165,8 +176,14 @@ class SlotQueue:
         self.timeout = timeout
         self.num_running = 0
         self.num_waiting = 0
+        self.num_left = 0  # entries of waiters that left, still in the heap
         self._heap: list[tuple[int, int, asyncio.Future]] = []
         self._arrivals = itertools.count()
+
+    @property
+    def heap_size(self) -> int:
+        """Entries in the heap: `num_waiting` live ones and `num_left` not yet swept."""
+        return len(self._heap)
 
     async def acquire(self, rank: int) -> Slot:
         if self.num_running < self.max_running and self.num_waiting == 0:
@@ -189,8 +206,8 @@ class SlotQueue:
                     return Slot(self)
                 Slot(self).release()
                 raise
-            granted.cancel()  # stays in the heap; `hand_on` skips it
-            self.num_waiting -= 1
+            granted.cancel()
+            self._leave()
             if isinstance(e, asyncio.CancelledError):
                 raise
             raise AdmissionRefused(
@@ -204,12 +221,24 @@ class SlotQueue:
         """A slot is free: to the first live waiter, else back to the pool."""
         while self._heap:
             _, _, granted = heapq.heappop(self._heap)
-            if not granted.done():
-                self.num_waiting -= 1
-                granted.set_result(None)
-                return
+            if granted.done():  # a waiter that left
+                self.num_left -= 1
+                continue
+            self.num_waiting -= 1
+            granted.set_result(None)
+            return
         self.num_running -= 1
         assert self.num_running >= 0, "a slot was released twice"
+
+    def _leave(self) -> None:
+        """A waiter left; its entry, now done, stays until `hand_on` pops it or a sweep."""
+        self.num_waiting -= 1
+        self.num_left += 1
+        if self.num_left > self.num_waiting:  # amortised O(1) a leaver: a sweep halves the heap
+            self._heap = [entry for entry in self._heap if not entry[2].done()]
+            heapq.heapify(self._heap)
+            self.num_left = 0
+        assert len(self._heap) == self.num_waiting + self.num_left, "a lost heap entry"
 
 
 class HeldResponse(Response):
@@ -251,8 +280,10 @@ class Admission:
             )
 
     def rank_of(self, key: str | None, header: str | None) -> int:
-        """The request's class: `X-Priority`, capped by its key's `--key-priority`."""
-        ceiling = self.key_ranks.get(key or ANONYMOUS_KEY)
+        """The request's class: `X-Priority`, capped by its key's `--key-priority` (or by
+        `default=CLASS` for a key not listed)."""
+        ranks = self.key_ranks
+        ceiling = ranks.get(key or ANONYMOUS_KEY, ranks.get(DEFAULT_KEY))
         if header is None:
             return PRIORITIES.index("normal") if ceiling is None else ceiling
         asked = header.strip().lower()

@@ -16,7 +16,13 @@ from pathlib import Path
 
 from common.credentials import check_secret, pick_secret
 from proxy.admission import RateLimit, parse_key_priorities, parse_rate_limits
-from proxy.discovery import DnsName, is_dns_entry, parse_dns_server
+from proxy.discovery import (
+    MAX_WORKERS,
+    DiscoveryLimits,
+    DnsName,
+    is_dns_entry,
+    parse_dns_server,
+)
 
 MODES = ("pull", "push", "colocated")
 POLICIES = ("round_robin", "least_outstanding", "power_of_two", "prefix")
@@ -67,8 +73,10 @@ class ProxyConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     discovery_interval: float = 5.0  # seconds between resolutions of a dns:// entry
     dns_server: str | None = None  # IP[:PORT] asked instead of the system's resolver
+    discovery_max_workers: int = MAX_WORKERS  # workers one dns:// entry may bring; the lowest
+    discovery_allow: tuple[str, ...] = ()  # CIDRs a discovered address must be in; () any
     rate_limit: tuple[str, ...] = ()  # KEY=RPS[:BURST]; the key `default`: every key not listed
-    key_priority: tuple[str, ...] = ()  # KEY=high|normal|low: the key's default and ceiling
+    key_priority: tuple[str, ...] = ()  # KEY=high|normal|low: its default and ceiling; `default`
     max_concurrency: int = 0  # requests in flight through the proxy; 0: no limit, no queue
     max_queue: int = 1024  # requests waiting for a slot beyond that
     queue_timeout: float = 30.0  # the longest wait for a slot, seconds
@@ -97,6 +105,7 @@ class ProxyConfig:
             raise ValueError(f"discovery_interval must be > 0, got {self.discovery_interval}")
         if self.dns_server is not None:
             parse_dns_server(self.dns_server)
+        DiscoveryLimits(self.discovery_max_workers, self.discovery_allow)  # raises if bad
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         for name in ("prefill_policy", "decode_policy"):
@@ -152,8 +161,13 @@ class ProxyConfig:
     def static_urls(self, role: str) -> list[str]:
         return [e for e in getattr(self, role) if not is_dns_entry(e)]
 
+    @property
+    def discovery_limits(self) -> DiscoveryLimits:
+        return DiscoveryLimits(self.discovery_max_workers, self.discovery_allow)
+
     def dns_names(self, role: str) -> list[DnsName]:
-        return [DnsName.parse(e) for e in getattr(self, role) if is_dns_entry(e)]
+        limits = self.discovery_limits
+        return [DnsName.parse(e, limits) for e in getattr(self, role) if is_dns_entry(e)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -219,12 +233,30 @@ def build_parser() -> argparse.ArgumentParser:
     add("--discovery-interval", type=float, help="seconds between DNS resolutions (5)")
     add("--dns-server", help="IP[:PORT] of the DNS server to ask (default: the system's)")
     add(
+        "--discovery-max-workers",
+        type=int,
+        help=f"workers one dns:// entry may bring; beyond, the lowest addresses are kept and "
+        f"the rest logged ({MAX_WORKERS})",
+    )
+    add(
+        "--discovery-allow",
+        action="append",
+        metavar="CIDR",
+        help="admit a discovered address only if it is in CIDR; others are dropped and logged "
+        "(repeat; default: any address)",
+    )
+    add(
         "--rate-limit",
         action="append",
         help="KEY=RPS[:BURST]: a token bucket for that API key; KEY 'default' for every key "
         "not listed, 'anonymous' for requests without one (repeat; default: no limit)",
     )
-    add("--key-priority", action="append", help="KEY=high|normal|low: its class and ceiling")
+    add(
+        "--key-priority",
+        action="append",
+        help="KEY=high|normal|low: the class of that key's requests and the highest it may ask "
+        "for; KEY 'default' for every key not listed (repeat; default: normal, no ceiling)",
+    )
     add("--max-concurrency", type=int, help="requests in flight; more wait in a queue (0: off)")
     add("--max-queue", type=int, help="requests waiting for a slot; 429 beyond (1024)")
     add("--queue-timeout", type=float, help="seconds a request may wait for a slot (30)")
@@ -339,6 +371,8 @@ def from_dict(settings: dict) -> ProxyConfig:
         raise ValueError(f"unknown settings: {', '.join(unknown)}")
     for role in ("prefill", "decode"):
         settings[role] = tuple(settings.get(role) or ())
+    allow = settings.get("discovery_allow") or ()
+    settings["discovery_allow"] = (allow,) if isinstance(allow, str) else tuple(allow)
     for name in ("rate_limit", "key_priority"):
         settings[name] = _assignments(settings.get(name) or ())
     return ProxyConfig(**settings, health=HealthConfig(**health))

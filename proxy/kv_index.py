@@ -12,9 +12,17 @@ The structs declare only the fields the index reads; msgspec skips the others, s
 fields do no harm. Hashes may be ints or bytes (vLLM's sha256 mode). Blocks of a LoRA adapter or
 of another tier than the primary cache ("GPU", vLLM's name on every device) are not indexed: a
 base-model prompt with the same tokens would not hit them.
+
+`InFlightPrefixes` indexes the other half of what a worker will soon hold: the prompts of the
+prefills the proxy has in flight on it, as a trie of the same `(parent, block tokens)` keys
+with a count of prompts through each node, so that how much of a prompt they share costs one
+walk of the prompt's blocks, however many prefills are in flight.
 """
 
 from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
 
 import msgspec
 
@@ -105,3 +113,70 @@ class BlockIndex:
                 break
             num += 1
         return num
+
+
+_Key = tuple[int, tuple[int, ...]]  # (parent node, the block's tokens); node 0 is the root
+
+
+@dataclass(eq=False)  # one prefill in flight: itself, whatever its twins
+class Prefill:
+    path: list[_Key]  # its full blocks' keys, root first
+    num_uncached: int  # tokens the worker computes for it
+
+
+class InFlightPrefixes:
+    """The prompts of one worker's prefills in flight: `add` when one starts, `remove` when it
+    ends; `match` is the longest run of leading full blocks a prompt shares with any of them."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.num_uncached = 0  # tokens the worker computes for all of them
+        self._node_of: dict[_Key, int] = {}
+        self._num_through: dict[_Key, int] = {}  # prompts in flight through each node
+        self._next_node = itertools.count(1)
+        self._prefills: set[Prefill] = set()
+
+    def __len__(self) -> int:
+        return len(self._prefills)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self._node_of)
+
+    def add(self, token_ids: list[int], num_uncached: int) -> Prefill:
+        path, parent = [], 0
+        for block in self._blocks(token_ids):
+            key = (parent, block)
+            node = self._node_of.get(key)
+            if node is None:
+                node = self._node_of[key] = next(self._next_node)
+            self._num_through[key] = self._num_through.get(key, 0) + 1
+            path.append(key)
+            parent = node
+        prefill = Prefill(path, num_uncached)
+        self._prefills.add(prefill)
+        self.num_uncached += num_uncached
+        return prefill
+
+    def remove(self, prefill: Prefill) -> None:
+        self._prefills.remove(prefill)
+        self.num_uncached -= prefill.num_uncached
+        for key in prefill.path:
+            self._num_through[key] -= 1
+            if not self._num_through[key]:
+                del self._num_through[key], self._node_of[key]
+
+    def match(self, token_ids: list[int]) -> int:
+        """How many leading full blocks of the prompt some prefill in flight shares."""
+        num, parent = 0, 0
+        for block in self._blocks(token_ids):
+            node = self._node_of.get((parent, block))
+            if node is None:
+                break
+            num, parent = num + 1, node
+        return num
+
+    def _blocks(self, token_ids: list[int]):
+        size = self.block_size
+        for start in range(0, len(token_ids) - size + 1, size):
+            yield tuple(token_ids[start : start + size])

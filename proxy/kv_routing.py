@@ -11,10 +11,12 @@ For a request, when a pool it may use has a worker with events (proxy/kv_events.
    before this prompt's first token: the uncached tokens of the prefills this proxy has in
    flight on it, plus this prompt's tokens beyond the prefix it holds. Prefills in flight count
    as held for prompts that share their leading blocks (they are cached by the time a
-   request queued behind them runs). Of the workers within `LOAD_FACTOR` × the lowest cost,
-   the one holding the longest prefix wins: the cache wins unless the queue in front of it
-   costs clearly more than the cache saves. Ties (a prefix nobody holds) go to the hash policy,
-   so that the requests of a new prefix meet on one worker.
+   request queued behind them runs); an index of their blocks (proxy/kv_index.py) makes that
+   one walk of the prompt, however many prefills are in flight. Of the workers within
+   `LOAD_FACTOR` × the lowest cost, the one holding the longest prefix wins: the cache wins
+   unless the queue in front of it costs clearly more than the cache saves. Ties (a prefix
+   nobody holds) go to the hash policy, so that the requests of a new prefix meet on one
+   worker.
 3. **Decode**: D's load is requests, not tokens: of the workers within PrefixAware's bound on
    requests in flight, the one holding the longest prefix; ties go to `--decode-policy`. A D
    that holds all of the prompt but fewer than `--cached-on-decode-tokens` serves it alone
@@ -31,12 +33,12 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import httpx
 
 from proxy.config import ProxyConfig
 from proxy.kv_events import KVEventFeeds
+from proxy.kv_index import InFlightPrefixes
 from proxy.metrics import ProxyMetrics
 from proxy.policies import LOAD_FACTOR, RoutingPolicy
 from proxy.request import ProxyRequest
@@ -46,12 +48,6 @@ from proxy.workers import Worker, WorkerPool
 logger = logging.getLogger(__name__)
 
 RENDER_PATHS = {False: "/v1/completions/render", True: "/v1/chat/completions/render"}
-
-
-@dataclass(eq=False)  # one prefill in flight: itself, whatever its twins
-class _Prefill:
-    token_ids: list[int]
-    num_uncached: int  # tokens the worker computes for it
 
 
 class KVRouter:
@@ -67,7 +63,7 @@ class KVRouter:
         self.feeds = feeds
         self.metrics = metrics
         self._timeout = httpx.Timeout(5.0, connect=cfg.connect_timeout)
-        self._prefills: dict[Worker, list[_Prefill]] = {}  # in flight, by this proxy
+        self._prefills: dict[Worker, InFlightPrefixes] = {}  # in flight, by this proxy
 
     # -- the prompt's tokens ------------------------------------------------------------------
     async def prompt_tokens(self, req: ProxyRequest) -> list[int] | None:
@@ -164,29 +160,28 @@ class KVRouter:
             yield
             return
         held = self._cached_tokens(worker, token_ids, index.match(token_ids))
-        entry = _Prefill(token_ids, len(token_ids) - held)
-        self._prefills.setdefault(worker, []).append(entry)
+        prefills = self._prefills.setdefault(worker, InFlightPrefixes(index.block_size))
+        entry = prefills.add(token_ids, len(token_ids) - held)
         try:
             yield
         finally:
-            entries = self._prefills[worker]
-            entries.remove(entry)
-            if not entries:
+            prefills.remove(entry)
+            if not prefills:
                 del self._prefills[worker]
 
     def _queued(self, worker: Worker) -> int:
-        return sum(p.num_uncached for p in self._prefills.get(worker, ()))
+        prefills = self._prefills.get(worker)
+        return 0 if prefills is None else prefills.num_uncached
 
     def _cached_tokens(self, worker: Worker, token_ids: list[int], held: int) -> int:
         """Tokens of the prompt's prefix the worker holds (`held` blocks) or is computing."""
         index = self.feeds.index_of(worker)
         if index is None:
             return 0
-        size = index.block_size
-        computing = (
-            _shared_blocks(token_ids, p.token_ids, size) for p in self._prefills.get(worker, ())
-        )
-        return max(held, max(computing, default=0)) * size
+        prefills = self._prefills.get(worker)
+        is_comparable = prefills is not None and prefills.block_size == index.block_size
+        computing = prefills.match(token_ids) if is_comparable else 0  # O(prompt blocks)
+        return max(held, computing) * index.block_size
 
     def _count(self, role: str, worker: Worker, token_ids: list[int], held: int) -> None:
         index = self.feeds.index_of(worker)
@@ -197,13 +192,3 @@ class KVRouter:
 
 def _one_of(tied: list[Worker], fallback: RoutingPolicy, key: str) -> Worker:
     return tied[0] if len(tied) == 1 else fallback.choose(tied, key)
-
-
-def _shared_blocks(a: list[int], b: list[int], size: int) -> int:
-    """Leading full blocks two prompts have in common."""
-    num = 0
-    for start in range(0, min(len(a), len(b)) - size + 1, size):
-        if a[start : start + size] != b[start : start + size]:
-            break
-        num += 1
-    return num

@@ -1,7 +1,16 @@
 """A real DNS server for tests: dnsmasq on a free loopback port, answering one name from a hosts
 file that the test rewrites (`set_addresses`: the file, then SIGHUP, which makes dnsmasq read it
-again). The name's domain is `--local`: a name missing from the file is NXDOMAIN, never asked
-upstream. Not installed is a test failure, not a skip: deploy/setup.sh installs it.
+again). Not installed is a test failure, not a skip: deploy/setup.sh installs it.
+
+What it answers for a record type the file lacks (AAAA, for IPv4 addresses) is `missing`:
+
+- `nodata` (the default): the name's domain is `--local`, so a type missing is NOERROR with no
+  answer, and a name missing is NXDOMAIN, never asked upstream;
+- `refused`: no `--local` and no upstream server: REFUSED, as a dnsmasq set up without
+  `--local` answers;
+- `servfail`: dnsmasq validates DNSSEC and forwards what the file lacks to a second dnsmasq
+  (the `--local` one) that cannot prove the zone unsigned: SERVFAIL, as a validating resolver
+  answers when it cannot validate.
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ import pytest
 from deploy.processes import free_port, wait_until
 
 SBIN = ("/usr/sbin", "/sbin", "/usr/local/sbin")  # not on a plain user's PATH
+MISSING = ("nodata", "refused", "servfail")
+ROOT_ANCHOR = ".,20326,8,2,E06D44B80B8F1D39A95C0B0D7C65D08458E880409BBC683457104237C7F8EC8D"
 
 
 def find_dnsmasq() -> str:
@@ -46,15 +57,20 @@ def free_udp_tcp_port() -> int:
 
 
 class Dnsmasq:
-    def __init__(self, folder: Path, name: str, addresses: list[str]):
+    def __init__(self, folder: Path, name: str, addresses: list[str], missing: str = "nodata"):
+        assert missing in MISSING, f"missing is one of {MISSING}, got {missing!r}"
         self.binary = find_dnsmasq()
         self.folder = folder
         self.name = name
+        self.missing = missing
         self.hosts = folder / "hosts"
         self.log_path = folder / "dnsmasq.log"
         self.port = free_udp_tcp_port()
         self.proc: subprocess.Popen | None = None
+        self.upstream: Dnsmasq | None = None  # the zone's server, for `servfail`
         self._write(addresses)
+        if missing == "servfail":
+            self.upstream = Dnsmasq(folder / "upstream", name, addresses)
         self.start()
 
     @property
@@ -62,12 +78,11 @@ class Dnsmasq:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        domain = self.name.split(".", 1)[1]
         cmd = [
             self.binary, "--keep-in-foreground", f"--port={self.port}",
             "--listen-address=127.0.0.1", "--bind-interfaces", "--no-resolv", "--no-hosts",
-            f"--addn-hosts={self.hosts}", f"--local=/{domain}/",
-            f"--pid-file={self.folder / 'dnsmasq.pid'}", "--log-facility=-", "--log-queries",
+            f"--addn-hosts={self.hosts}", f"--pid-file={self.folder / 'dnsmasq.pid'}",
+            "--log-facility=-", "--log-queries", *self._missing_args(),
         ]  # fmt: skip
         if os.geteuid() == 0:  # else it drops to `nobody`, who cannot read a private tmp dir
             cmd.append("--user=root")
@@ -94,9 +109,23 @@ class Dnsmasq:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(10)
+        if self.upstream is not None:
+            self.upstream.stop()
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
+
+    def _missing_args(self) -> list[str]:
+        if self.missing == "nodata":
+            return [f"--local=/{self.name.split('.', 1)[1]}/"]
+        if self.missing == "refused":
+            return []
+        assert self.upstream is not None
+        return [
+            "--dnssec",
+            f"--trust-anchor={ROOT_ANCHOR}",
+            f"--server=127.0.0.1#{self.upstream.port}",
+        ]
 
     def _answers(self) -> bool:
         try:
@@ -106,6 +135,7 @@ class Dnsmasq:
             return False
 
     def _write(self, addresses: list[str]) -> None:
+        self.folder.mkdir(exist_ok=True)
         tmp = self.hosts.with_suffix(".tmp")
         tmp.write_text("".join(f"{a} {self.name}\n" for a in addresses))
         tmp.replace(self.hosts)  # NOTE: atomic, so a reload never reads half a file

@@ -17,8 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from proxy.admission import AdmissionRefused, RateLimit, RateLimiter, SlotQueue
-from proxy.config import from_dict, parse_args
+from proxy.admission import Admission, AdmissionRefused, RateLimit, RateLimiter, SlotQueue
+from proxy.config import build_parser, from_dict, parse_args
+from proxy.metrics import ProxyMetrics
 from tests.servers import free_port, wait_until
 from tests.stub_worker import StubWorkers
 
@@ -51,6 +52,72 @@ def test_token_bucket_refills_at_its_rate_up_to_its_burst():
     assert limiter.wait_s("b") == 0.0 and limiter.wait_s("c") == 0.0  # a default bucket each
     assert limiter.wait_s("b") == pytest.approx(1.0)
     assert RateLimiter({"a": RateLimit(1.0, 1.0)}, clock).wait_s("other") == 0.0  # no default
+
+
+def test_bucket_table_is_an_lru_with_a_hard_cap():
+    """New keys past the cap drop the least recently used bucket, never grow the table: a key
+    in use keeps its drained bucket, a forgotten one starts again full."""
+    clock = FakeClock()
+    limiter = RateLimiter({"default": RateLimit(1.0, 1.0)}, clock, max_buckets=3)
+    for key in ("a", "b", "c"):
+        assert limiter.wait_s(key) == 0.0  # each bucket drained: the clock stands still
+    assert limiter.wait_s("a") > 0  # a is now the most recently used
+    assert limiter.wait_s("d") == 0.0  # b, least recently used, makes room
+    assert list(limiter.buckets) == ["c", "a", "d"]
+    for i in range(100):  # a flood of new keys: the table never passes its cap
+        limiter.wait_s(f"new-{i}")
+        assert len(limiter.buckets) == 3
+    assert list(limiter.buckets) == ["new-97", "new-98", "new-99"]
+    assert limiter.wait_s("new-98") > 0  # kept: still drained
+    assert limiter.wait_s("a") == 0.0  # dropped: a fresh bucket
+
+
+def test_waiters_that_leave_leave_the_heap():
+    """Waiters that time out or whose client leaves do not pile up in the heap while no slot is
+    released: `--max-queue` bounds it."""
+
+    async def scenario() -> None:
+        queue = SlotQueue(max_running=1, max_waiting=4, timeout=0.01)
+        holder = await queue.acquire(1)
+        for _ in range(25):  # timeouts
+            late = [asyncio.create_task(queue.acquire(1)) for _ in range(4)]
+            for result in await asyncio.gather(*late, return_exceptions=True):
+                assert isinstance(result, AdmissionRefused), result
+            assert queue.heap_size <= 2 * queue.max_waiting
+        assert (queue.num_waiting, queue.heap_size) == (0, 0)
+        queue.timeout = 60.0
+        for _ in range(25):  # clients that left
+            gone = [asyncio.create_task(queue.acquire(0)) for _ in range(4)]
+            await asyncio.sleep(0)
+            assert queue.num_waiting == 4
+            for task in gone:
+                task.cancel()
+            await asyncio.gather(*gone, return_exceptions=True)
+            assert queue.heap_size <= 2 * queue.max_waiting
+        assert (queue.num_waiting, queue.heap_size) == (0, 0)
+        stays = asyncio.create_task(queue.acquire(2))  # the queue still hands slots on
+        await asyncio.sleep(0)
+        holder.release()
+        (await stays).release()
+        assert (queue.num_running, queue.num_waiting, queue.heap_size) == (0, 0, 0)
+
+    asyncio.run(scenario())
+
+
+def test_key_priority_default_is_the_ceiling_of_keys_not_listed():
+    cfg = from_dict(
+        {"decode": ["http://d:1"], "key_priority": ["default=low", "ops=high", "anonymous=normal"]}
+    )
+    admission = Admission(cfg, ProxyMetrics({}))
+    assert admission.rank_of("stranger", "high") == 2  # capped by default=low
+    assert admission.rank_of("stranger", None) == 2  # and low unless it asks for less
+    assert admission.rank_of("ops", "high") == 0 and admission.rank_of("ops", None) == 0
+    assert admission.rank_of(None, "high") == 1  # no key: `anonymous` is listed
+    plain = Admission(from_dict({"decode": ["http://d:1"]}), ProxyMetrics({}))
+    assert plain.rank_of("stranger", "high") == 0 and plain.rank_of("stranger", None) == 1
+    assert "KEY 'default' for every key not listed" in " ".join(
+        build_parser().format_help().split()
+    )
 
 
 def test_slot_queue_orders_by_class_then_arrival_and_forgets_the_cancelled():

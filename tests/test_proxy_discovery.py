@@ -4,24 +4,28 @@ answers NAME from a hosts file the tests rewrite, and stub decode workers listen
 static and admin-added workers beside them, each listed with its source); a new address gets
 traffic within two discovery intervals; a vanished one is drained under load, no request lost,
 then dropped and its connections closed; a name that stops resolving keeps its last good set
-and says so in the log and in /metrics. Every wait has a deadline; nothing is asserted right
-after an action."""
+and says so in the log and in /metrics; a server that fails one address family (REFUSED or
+SERVFAIL for AAAA) still brings the other's workers; what a name may bring is bounded by
+`--discovery-max-workers` and `--discovery-allow`. Every wait has a deadline; nothing is
+asserted right after an action."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import socket
 import threading
 
+import dns.resolver
 import httpx
 import pytest
 
-from proxy.config import from_dict
-from proxy.discovery import RESOLVE_TIMEOUT_S, DnsName, parse_dns_server
+from proxy.config import build_parser, from_dict, parse_args
+from proxy.discovery import MAX_WORKERS, RESOLVE_TIMEOUT_S, DnsName, parse_dns_server
 from proxy.state import Proxy
-from tests.dnsmasq import Dnsmasq
+from tests.dnsmasq import MISSING, Dnsmasq
 from tests.servers import ServerProcess, free_port, wait_until
 from tests.stub_worker import StubWorkers
 
@@ -48,8 +52,8 @@ def cluster(tmp_path, stubs):
     """cluster(addresses, *proxy_args) → (dnsmasq answering NAME with them, a ready proxy)."""
     started: list = []
 
-    def start(addresses: list[str], *args: str):
-        dnsmasq = Dnsmasq(tmp_path, NAME, addresses)
+    def start(addresses: list[str], *args: str, missing: str = "nodata"):
+        dnsmasq = Dnsmasq(tmp_path, NAME, addresses, missing)
         started.append(dnsmasq)
         proxy = ServerProcess(
             "proxy",
@@ -205,14 +209,24 @@ def test_dns_entries_and_servers_parse():
         from_dict({"decode": ["dns://d:8200", "dns://d:8200"]})
 
 
+class Scripted:
+    """A resolver answering each family from the test's script: a list of addresses (the
+    records, read at each call), or an exception to raise."""
+
+    def __init__(self, script: dict[str, list[str] | Exception]):
+        self.script = script
+
+    async def resolve(self, name, family, raise_on_no_answer, lifetime):
+        answer = self.script[family]
+        if isinstance(answer, Exception):
+            raise answer
+        return [type("Record", (), {"address": address}) for address in answer]
+
+
 def test_an_address_back_while_draining_is_kept_and_a_gone_one_dropped_once_idle():
     """The pool's side of discovery on its own, with a scripted resolver: a worker comes back
     while it drains, leaves for good once idle; a static worker at a resolved address is left
     alone."""
-
-    class Answers:
-        def __init__(self, addresses):
-            self.addresses = lambda: addresses
 
     async def scenario():
         static = "http://127.0.0.4:9"
@@ -222,10 +236,7 @@ def test_an_address_back_while_draining_is_kept_and_a_gone_one_dropped_once_idle
         discovery = proxy.discoveries[0]
         answer: list[str] = []
 
-        async def resolve_name(name, lifetime):
-            return Answers(answer)
-
-        discovery.resolver.resolve_name = resolve_name
+        discovery.resolver = Scripted({"A": answer, "AAAA": []})
         answer[:] = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
         await discovery.refresh()
         a, b, c = (proxy.pools["decode"].get(f"http://{h}:9") for h in answer)
@@ -333,3 +344,126 @@ def test_a_name_that_stops_resolving_keeps_its_last_good_set(cluster, stubs):
     assert len(failures) == 2, failures  # once per reason, not once per resolution
     assert "(nxdomain" in failures[0] and "(timeout" in failures[1]
     assert all("keeping the last good set of 3 workers" in line for line in failures)
+
+
+@pytest.mark.parametrize("missing", MISSING)
+def test_one_family_failing_keeps_the_other(tmp_path, caplog, missing):
+    """dnsmasq answers NAME's A records and, for AAAA, NOERROR with no data, REFUSED or
+    SERVFAIL: the A records' workers join, and follow the name as it changes."""
+    dnsmasq = Dnsmasq(tmp_path, NAME, HOSTS[:2], missing)
+
+    async def scenario() -> None:
+        cfg = {"decode": [f"dns://{NAME}:9"], "dns_server": dnsmasq.server}
+        proxy = Proxy(from_dict({**cfg, "health": {"timeout": 0.2}}))
+        discovery = proxy.discoveries[0]
+        await discovery.refresh()
+        await discovery.refresh()
+        members = lambda: {w.url for w in proxy.pools["decode"].workers}  # noqa: E731
+        assert members() == {f"http://{h}:9" for h in HOSTS[:2]} and discovery.failing is None
+        dnsmasq.set_addresses(HOSTS[1:4])
+        assert wait_until(lambda: dnsmasq.resolve() == set(HOSTS[1:4]), timeout=10)
+        await discovery.refresh()
+        assert members() == {f"http://{h}:9" for h in HOSTS[1:4]}
+        errors = proxy.metrics.discovery_errors.labels("decode", f"{NAME}:9", "no_nameservers")
+        assert errors._value.get() == (0 if missing == "nodata" else 3)
+        await proxy.stop()
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="proxy.discovery"):
+            asyncio.run(scenario())
+    finally:
+        dnsmasq.stop()
+    family_failed = [r.message for r in caplog.records if "AAAA did not resolve" in r.message]
+    if missing == "nodata":
+        assert not family_failed
+    else:  # logged once, with the server's answer
+        assert len(family_failed) == 1 and missing.upper() in family_failed[0], family_failed
+
+
+def test_both_families_failing_keeps_the_last_good_set_and_a_family_comes_back(caplog):
+    async def scenario() -> None:
+        proxy = Proxy(from_dict({"decode": ["dns://w:9"], "health": {"timeout": 0.2}}))
+        discovery = proxy.discoveries[0]
+        v4, v6 = ["127.0.0.2"], ["::1"]
+        discovery.resolver = resolver = Scripted({"A": v4, "AAAA": v6})
+        await discovery.refresh()
+        urls = {"http://127.0.0.2:9", "http://[::1]:9"}
+        assert {w.url for w in proxy.pools["decode"].workers} == urls
+        resolver.script["AAAA"] = dns.resolver.NoNameservers()
+        v4.append("127.0.0.3")
+        await discovery.refresh()  # A followed, AAAA's last good kept
+        assert {w.url for w in proxy.pools["decode"].workers} == urls | {"http://127.0.0.3:9"}
+        resolver.script["A"] = dns.resolver.NXDOMAIN()
+        await discovery.refresh()  # nothing answered: nothing changes
+        assert len(proxy.pools["decode"].workers) == 3 and discovery.failing == "nxdomain"
+        resolver.script.update(A=[], AAAA=[])
+        await discovery.refresh()  # no address at all: as no answer
+        assert len(proxy.pools["decode"].workers) == 3 and discovery.failing == "no_answer"
+        resolver.script.update(A=["127.0.0.2"], AAAA=v6)
+        await discovery.refresh()  # 127.0.0.3 gone: drained
+        assert {w.url for w in proxy.pools["decode"].workers if not w.is_draining} == urls
+        await proxy.stop()
+
+    with caplog.at_level(logging.WARNING, logger="proxy.discovery"):
+        asyncio.run(scenario())
+    log = [r.message for r in caplog.records]
+    assert any("AAAA did not resolve (no_nameservers" in line for line in log), log
+    assert any("AAAA resolves again" in line for line in log), log
+
+
+def test_a_name_brings_at_most_max_workers_and_only_allowed_addresses(caplog):
+    async def scenario() -> None:
+        cfg = {
+            "decode": ["dns://w:9"],
+            "discovery_max_workers": 3,
+            "discovery_allow": ["127.0.0.0/8", "fd00::/64"],
+            "health": {"timeout": 0.2},
+        }
+        proxy = Proxy(from_dict(cfg))
+        discovery = proxy.discoveries[0]
+        a = ["127.0.0.9", "10.1.2.3", "127.0.0.10", "127.0.0.2", "192.0.2.1"]
+        aaaa = ["fd00::5", "fd01::1"]
+        discovery.resolver = Scripted({"A": a, "AAAA": aaaa})
+        await discovery.refresh()
+        kept = {"http://127.0.0.2:9", "http://127.0.0.9:9", "http://127.0.0.10:9"}
+        assert {w.url for w in proxy.pools["decode"].workers} == kept  # the lowest, v4 first
+        a.remove("127.0.0.9")
+        await discovery.refresh()  # room for the next one
+        kept = {"http://127.0.0.2:9", "http://127.0.0.10:9", "http://[fd00::5]:9"}
+        assert {w.url for w in proxy.pools["decode"].workers if not w.is_draining} == kept
+        assert proxy.metrics.discovered.labels("decode", "w:9")._value.get() == 3
+        await discovery.refresh()  # the same answer: nothing logged again
+        await proxy.stop()
+
+    with caplog.at_level(logging.WARNING, logger="proxy.discovery"):
+        asyncio.run(scenario())
+    denied = [r.message for r in caplog.records if "outside --discovery-allow" in r.message]
+    beyond = [r.message for r in caplog.records if "--discovery-max-workers" in r.message]
+    assert len(denied) == 2 and "'10.1.2.3', '192.0.2.1', 'fd01::1'" in denied[0], denied
+    assert len(beyond) == 1 and "left out ['fd00::5']" in beyond[0], beyond
+
+
+def test_discovery_limit_flags():
+    cfg = parse_args(
+        ["--decode", "dns://d:1", "--discovery-max-workers", "8",
+         "--discovery-allow", "10.0.0.0/8", "--discovery-allow", "fd00::/8"]
+    )  # fmt: skip
+    limits = cfg.dns_names("decode")[0].limits
+    assert (limits.max_workers, limits.allow) == (8, ("10.0.0.0/8", "fd00::/8"))
+    assert from_dict({"decode": ["dns://d:1"]}).discovery_limits.max_workers == MAX_WORKERS
+    assert from_dict({"decode": ["dns://d:1"], "discovery_allow": "10.0.0.0/8"}).discovery_allow
+    for bad in ({"discovery_max_workers": 0}, {"discovery_allow": ["10.0.0.0/33"]}):
+        with pytest.raises(ValueError, match="discovery_"):
+            from_dict({"decode": ["dns://d:1"], **bad})
+    text = " ".join(build_parser().format_help().split())
+    assert "--discovery-max-workers" in text and "--discovery-allow CIDR" in text
+
+
+def test_the_proxy_routes_to_the_a_records_when_aaaa_is_refused(cluster, stubs):
+    dnsmasq, proxy = cluster(HOSTS[:2], missing="refused")
+    assert set(workers(proxy)) == {stubs.url_of(h) for h in HOSTS[:2]}
+    assert wait_until(lambda: all(w["healthy"] for w in workers(proxy).values()))
+    assert sorted(complete(proxy) for _ in range(4)) == sorted(HOSTS[:2] * 2)
+    name = f"{NAME}:{stubs.port}"
+    assert metric_sum(proxy, ERRORS, name=name, reason="no_nameservers") >= 1
+    assert metric_sum(proxy, DISCOVERED) == 2

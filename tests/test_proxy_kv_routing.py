@@ -32,7 +32,7 @@ from common.kv_cache.events import AllBlocksCleared, KVEventBatch, KVEventCollec
 from common.kv_cache.manager import hash_block
 from proxy.config import from_dict
 from proxy.kv_events import EventsSource, Subscription
-from proxy.kv_index import BlockIndex, decode_batch
+from proxy.kv_index import BlockIndex, InFlightPrefixes, decode_batch
 from proxy.kv_routing import KVRouter
 from proxy.metrics import ProxyMetrics
 from proxy.policies import PrefixAware
@@ -180,6 +180,58 @@ def test_the_longest_prefix_wins_while_its_queue_allows():
     assert no_events.choose("prefill", [p1, p2], prompt, hashing, "k") is hashing.choose(
         [p1, p2], "k"
     )
+
+
+def shared_blocks(a: list[int], b: list[int], size: int) -> int:
+    """Leading full blocks two prompts have in common, compared token by token."""
+    num = 0
+    while (num + 1) * size <= min(len(a), len(b)) and a[: (num + 1) * size] == b[
+        : (num + 1) * size
+    ]:
+        num += 1
+    return num
+
+
+def test_prefills_in_flight_index_matches_a_scan_and_forgets_finished_ones():
+    rng = random.Random(7)
+    stem = ids(10, 40)
+    prompts = [stem[: rng.randrange(0, 41)] + ids(11 + i, rng.randrange(0, 30)) for i in range(30)]
+    prefills = InFlightPrefixes(block_size=4)
+    entries = [prefills.add(p, len(p)) for p in prompts]
+    entries.append(prefills.add(prompts[0], 5))  # a twin: the same prompt twice in flight
+    prompts.append(prompts[0])
+    assert len(prefills) == 31 and prefills.num_uncached == sum(map(len, prompts[:-1])) + 5
+    for _ in range(30):
+        live = [p for p, e in zip(prompts, entries) if e is not None]
+        for query in (stem + ids(99, 9), rng.choice(live) + [1], ids(98, 20), []):
+            expected = max((shared_blocks(query, p, 4) for p in live), default=0)
+            assert prefills.match(query) == expected
+        i = rng.choice([i for i, e in enumerate(entries) if e is not None])
+        prefills.remove(entries[i])  # a prefill finished
+        entries[i] = None
+    first = next(e for e in entries if e is not None)
+    assert prefills.match(prompts[entries.index(first)]) == len(first.path)
+    prefills.remove(first)
+    assert (len(prefills), prefills.num_nodes, prefills.num_uncached) == (0, 0, 0)
+    assert prefills.match(stem) == 0
+
+
+def test_the_router_drops_a_prefill_from_its_index_when_it_finishes():
+    client = httpx.AsyncClient()
+    p1 = Worker("http://p1:1", "prefill", client, client._transport)
+    pools = {"prefill": WorkerPool("prefill"), "decode": WorkerPool("decode")}
+    router = router_for({p1: BlockIndex(BLOCK)}, pools)
+    prompt = ids(20, 10 * BLOCK)
+    with router.prefilling(p1, prompt):
+        with router.prefilling(p1, prompt[: 4 * BLOCK] + ids(21, BLOCK)):
+            assert router._cached_tokens(p1, prompt, 0) == 10 * BLOCK
+            assert router._queued(p1) == 11 * BLOCK  # its first 4 blocks were being computed
+        assert router._cached_tokens(p1, prompt[: 6 * BLOCK], 0) == 6 * BLOCK
+        assert router._queued(p1) == 10 * BLOCK
+    assert router._cached_tokens(p1, prompt, 0) == 0 and router._queued(p1) == 0
+    with pytest.raises(RuntimeError), router.prefilling(p1, prompt):  # a prefill that failed
+        raise RuntimeError("upstream")
+    assert router._cached_tokens(p1, prompt, 0) == 0 and not router._prefills
 
 
 # -- the proxy in front of real workers --------------------------------------------------------
