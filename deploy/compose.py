@@ -64,6 +64,7 @@ MAX_WORKERS_PER_ROLE = 100  # prefill ports stay below 8200, decode ports below 
 PROXY_PORT = 8000
 DISCOVERY_INTERVAL = 2  # CPU: seconds until the proxy sees a replica come or go
 CACHE_VOLUME, CACHE_DIR = "pdserve-cache", "/cache"  # PDSERVE_CACHE_DIR: the prepared default model
+KERNEL_DIR = "/tmp/pdserve-kernels"  # in the container's own filesystem, outside the shared volume
 MODEL_MOUNT = "/model"
 MODES = ("pull", "push", "colocated")
 TOKEN = "${PDSERVE_INTERNAL_TOKEN:?set PDSERVE_INTERNAL_TOKEN, e.g. in deploy/.env}"
@@ -274,6 +275,9 @@ def worker_service(shape: Shape, worker: WorkerService, gpus: list[int] | None) 
             "PDSERVE_CACHE_DIR": CACHE_DIR,
             # the compiled forward's kernels: a restarted worker skips most of the compile
             "TORCHINDUCTOR_CACHE_DIR": f"{CACHE_DIR}/inductor",
+            # the C kernels: built by each container for itself (~1 s each), never shared, so
+            # no service can plant code that another one runs
+            "PDSERVE_KERNEL_CACHE_DIR": KERNEL_DIR,
             "PDSERVE_INTERNAL_TOKEN": TOKEN,
             "UCX_TLS": UCX_TLS["cpu" if shape.is_cpu else "cuda"],
             "UCX_NET_DEVICES": "eth0",

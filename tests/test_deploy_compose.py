@@ -352,3 +352,14 @@ def test_workers_publish_kv_events_bound_to_their_host(filename):
         assert flag(command, "--kv-events-endpoint") == "tcp://*:5557"
         engine, _ = parse_args(role, command[command.index("--kv-events-endpoint") :])
         assert engine.kv_events.replay_endpoint == "tcp://*:5558"
+
+
+@pytest.mark.parametrize("filename", ["docker-compose.yml", "docker-compose.cpu.yml"])
+def test_each_worker_builds_its_kernels_outside_the_shared_volume(filename):
+    services = yaml.safe_load((ROOT / "deploy" / filename).read_text())["services"]
+    workers = [s for s in services.values() if str(s["command"][2]).endswith("_server")]
+    assert len(workers) == 2
+    for service in workers:
+        kernels = Path(service["environment"]["PDSERVE_KERNEL_CACHE_DIR"])
+        mounts = [Path(str(v).split(":")[1]) for v in service.get("volumes", [])]
+        assert mounts and not any(kernels.is_relative_to(m) for m in mounts), (kernels, mounts)
