@@ -29,6 +29,7 @@ from common.api.state import ServerState
 from common.cpu import available_cores, format_cpu_list
 from common.engine.async_engine import EngineDeadError
 from common.engine.engine import LLMEngine
+from common.native.choice import summary as kernel_paths
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def _install_basic_routes(app: FastAPI, state: ServerState) -> None:
     async def health():
         engine = state.require_ready()
         cpu = {"threads": engine.num_threads, "cores": format_cpu_list(available_cores())}
-        return {"status": "ok", "role": state.cfg.role, "cpu": cpu}
+        return {"status": "ok", "role": state.cfg.role, "cpu": cpu, "kernels": kernel_paths()}
 
     @app.get("/metrics")
     async def metrics():

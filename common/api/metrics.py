@@ -12,6 +12,7 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from common.engine.stats import EngineStats
 from common.kv_transfer import transport_info
 from common.kv_transfer.transfers import DESCRIPTOR_BUCKETS, DescriptorHistogram
+from common.native.choice import choices as kernel_choices
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -73,6 +74,22 @@ class _DescriptorCollector:
                 running += count
                 cumulative.append((bound, running))
             family.add_metric([op], cumulative, histogram.total)
+        yield family
+
+
+class _KernelCollector:
+    """`pdserve_kernel_path{kernel, shape, path}` = 1: what each CPU kernel runs, per shape
+    class, as chosen at start-up (common/native/choice.py)."""
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            "pdserve_kernel_path",
+            "The implementation each CPU kernel runs per shape class (1 each), chosen at start-up"
+            " by timing the candidates on this CPU: c-avx512, c-avx2, c-plain, torch, onednn",
+            labels=["kernel", "shape", "path"],
+        )
+        for choice in kernel_choices():
+            family.add_metric([choice.kernel, choice.shape, choice.path], 1)
         yield family
 
 
@@ -241,6 +258,7 @@ class ServerMetrics:
             "pdserve_kv_handshakes", "Handshakes with a new KV peer", registry=r
         )
         r.register(_TransportCollector())
+        r.register(_KernelCollector())
 
     def set_cpu(self, num_threads: int, num_cores: int) -> None:
         self.cpu_threads.set(num_threads)
