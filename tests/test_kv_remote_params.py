@@ -5,7 +5,8 @@ workers over real NIXL:
 - a block list of another length than the prompt's blocks, block ids past P's pool, checksums
   of another shape are a failed transfer under `--kv-load-failure-policy`: an error in
   OpenAI's shape, or a recompute counted as `remote_blocks_mismatch` that answers as colocated;
-  never a 200 decoded over blocks that nobody wrote. Every block comes back on both sides.
+  never a 200 decoded over blocks that nobody wrote; pushed, checksums of another shape are a
+  mismatch (by the same policy). Every block comes back on both sides.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 
 from tests.servers import kv_sources, wait_until
 from tests.test_pd_pull import complete, prefill, prompts
+from tests.test_pd_push import reserve
 
 P_BLOCKS = 64
 RECOMPUTED = 'pdserve_kv_recomputed_total{reason="remote_blocks_mismatch"}'
@@ -118,3 +120,23 @@ def test_a_field_of_the_wrong_type_is_a_400(workers, field):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "kv_transfer_params" and "malformed" in error["message"], error
+
+
+def test_pushed_checksums_of_another_shape_fail_closed(workers):
+    """Push mode: checksums for a layer more than D has are a mismatch, never an index past
+    D's layers (the engine's thread)."""
+    p, decoders = workers
+    d = decoders["recompute"]
+    body = dict(prompt=prompts()[9], max_tokens=4, temperature=0, return_token_ids=True)
+    target = reserve(d, len(body["prompt"]))
+    push = {"do_remote_decode": True, "push_to": target}
+    params = complete(p.url, {**body, "max_tokens": 1, "kv_transfer_params": push})
+    params = params["kv_transfer_params"]
+    params["kv_checksums"] = [*params["kv_checksums"], params["kv_checksums"][0]]
+    recomputed = 'pdserve_kv_recomputed_total{reason="checksum_mismatch"}'
+    before = d.metric(recomputed)
+    pushed = complete(d.url, {**body, "kv_transfer_params": params})["choices"][0]
+    assert pushed["token_ids"] == complete(d.url, body)["choices"][0]["token_ids"]
+    assert wait_until(lambda: d.metric(recomputed) == before + 1)
+    for server in (p, d):
+        assert wait_until(lambda s=server: s.metric("pdserve_kv_blocks_used") == 0)
