@@ -17,6 +17,7 @@ import pytest
 from tests.servers import kv_sources, wait_until
 from tests.test_pd_pull import complete, prefill, prompts
 from tests.test_pd_push import reserve
+from tests.tiny_models import VOCAB
 
 P_BLOCKS = 64
 RECOMPUTED = 'pdserve_kv_recomputed_total{reason="remote_blocks_mismatch"}'
@@ -104,6 +105,7 @@ MALFORMED = {
     "engine_id_not_text": {"remote_engine_id": {"id": "p"}},
     "streamed_as_string": {"first_token_streamed": "false"},
     "negative_first_token": {"first_token_id": -1},
+    "first_token_past_the_vocabulary": {"first_token_id": VOCAB},
     "float_checksum": {"kv_checksums": [[1.0, 2.0]]},
     "read_by_bool": {"read_by": True},
     "tp_size_zero": {"tp_size": 0},
@@ -140,3 +142,15 @@ def test_pushed_checksums_of_another_shape_fail_closed(workers):
     assert wait_until(lambda: d.metric(recomputed) == before + 1)
     for server in (p, d):
         assert wait_until(lambda s=server: s.metric("pdserve_kv_blocks_used") == 0)
+
+
+def test_a_first_token_past_the_vocabulary_is_a_400_and_the_engine_lives(workers):
+    """P's first token is taken as generated on D: one past the vocabulary would index past the
+    embedding on D's engine thread."""
+    p, decoders = workers
+    d = decoders["fail"]
+    body = dict(prompt=prompts()[5], max_tokens=3, temperature=0)
+    params = {**prefill(p, body), "first_token_id": VOCAB}
+    r = httpx.post(f"{d.url}/v1/completions", json={**body, "kv_transfer_params": params})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
+    assert complete(d.url, body)["choices"][0]["text"] is not None  # still serving

@@ -37,9 +37,11 @@ class RemotePrefill:
     do_remote_prefill: bool = True
 
     @classmethod
-    def parse(cls, raw: dict[str, Any]) -> RemotePrefill:
+    def parse(cls, raw: dict[str, Any], vocab_size: int | None = None) -> RemotePrefill:
         """Each field of its own type, or KVTransferParamsError: nothing is coerced (a float
-        block id or a "false" string is refused, never rounded or taken as true)."""
+        block id or a "false" string is refused, never rounded or taken as true); with
+        `vocab_size`, a first token past the vocabulary is refused too."""
+        top = None if vocab_size is None else vocab_size - 1
         try:
             return cls(
                 remote_engine_id=_text(raw["remote_engine_id"]),
@@ -48,7 +50,7 @@ class RemotePrefill:
                 remote_host=_text(raw["remote_host"]),
                 remote_port=_integer(raw["remote_port"], 1, 65535),
                 tp_size=_integer(raw.get("tp_size", 1), 1),
-                first_token_id=_optional(raw.get("first_token_id"), _integer, 0),
+                first_token_id=_optional(raw.get("first_token_id"), _integer, 0, top),
                 first_token_streamed=_flag(raw.get("first_token_streamed", False)),
                 push_reservation_id=_optional(raw.get("push_reservation_id"), _text),
                 kv_checksums=_checksums(raw.get("kv_checksums")),
