@@ -154,3 +154,31 @@ def test_a_first_token_past_the_vocabulary_is_a_400_and_the_engine_lives(workers
     r = httpx.post(f"{d.url}/v1/completions", json={**body, "kv_transfer_params": params})
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
     assert complete(d.url, body)["choices"][0]["text"] is not None  # still serving
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_reservation_smaller_than_the_prompt_fails_closed(workers, policy):
+    """Push mode: D's reservation for a short prompt, named with a long prompt: its tail blocks
+    were never written, so it is a mismatch by policy, never a 200 decoded over them."""
+    p, decoders = workers
+    d = decoders[policy]
+    short = dict(prompt=prompts()[3], max_tokens=1, temperature=0)
+    target = reserve(d, len(short["prompt"]))
+    push = {"do_remote_decode": True, "push_to": target}
+    params = complete(p.url, {**short, "kv_transfer_params": push})["kv_transfer_params"]
+    long = dict(prompt=prompts()[15], max_tokens=6, temperature=0, return_token_ids=True)
+    recomputed = d.metric(RECOMPUTED)
+    r = httpx.post(f"{d.url}/v1/completions", json={**long, "kv_transfer_params": params})
+    if policy == "fail":
+        assert r.status_code == 500 and "the prompt needs 7" in r.json()["error"]["message"]
+    else:
+        assert r.status_code == 200, r.text
+        # P's first token is taken as generated, as with any recompute; the rest is computed
+        # here over the long prompt and that token
+        first, *rest = r.json()["choices"][0]["token_ids"]
+        assert first == params["first_token_id"]
+        then = {**long, "prompt": [*long["prompt"], first], "max_tokens": 5}
+        assert rest == complete(d.url, then)["choices"][0]["token_ids"]
+        assert wait_until(lambda: d.metric(RECOMPUTED) == recomputed + 1)
+    for server in (p, d):
+        assert wait_until(lambda s=server: s.metric("pdserve_kv_blocks_used") == 0)
