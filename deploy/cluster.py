@@ -25,7 +25,13 @@ from deploy.tp import check_tensor_parallel, is_cuda, tp_args
 DEFAULT_MODEL = "SmolLM2-135M-Instruct (built-in)"
 WORKER_HOST = "127.0.0.1"
 CPU_FLAGS = ("--cpu-cores", "--cpu-threads")
-LAUNCHER_FLAGS = ("--port", "--internal-token", "--tensor-parallel-size", "-tp")
+LAUNCHER_FLAGS = (
+    "--port",
+    "--internal-token",
+    "--internal-token-file",  # a token of the user's would override the launcher's (env) one
+    "--tensor-parallel-size",
+    "-tp",
+)
 
 
 @dataclass(frozen=True)
@@ -65,12 +71,13 @@ class LocalConfig:
             raise ValueError("--exit needs --ask")
         if self.question is not None and not self.is_waiting:
             raise ValueError("--ask needs the cluster ready: drop --no-wait")
-        if any(arg.split("=")[0] in LAUNCHER_FLAGS for arg in self.worker_args):
+        if any(names_flag(arg, LAUNCHER_FLAGS) for arg in self.worker_args):
             raise ValueError(
                 "the launcher sets the workers' --port, --internal-token and "
-                "--tensor-parallel-size (--prefill-tp N, --decode-tp N)"
+                "--tensor-parallel-size (--prefill-tp N, --decode-tp N); the token goes in their "
+                "environment, so --internal-token-file is refused too"
             )
-        if self.is_cpu_split and any(arg.split("=")[0] in CPU_FLAGS for arg in self.worker_args):
+        if self.is_cpu_split and any(names_flag(arg, CPU_FLAGS) for arg in self.worker_args):
             raise ValueError(
                 "the launcher splits the cores among the workers (--cpu-cores, --cpu-threads); "
                 "to give every worker your own, add --no-cpu-split"
@@ -91,6 +98,15 @@ class LocalConfig:
             return None
         cores = sorted(os.sched_getaffinity(0))
         return plan_cores(self.num_prefill, self.num_decode, cores, self.prefill_tp, self.decode_tp)
+
+
+def names_flag(arg: str, flags: tuple[str, ...]) -> bool:
+    """Whether a worker argument sets one of `flags`: itself, `FLAG=VALUE`, or a long option's
+    abbreviation, which the worker's parser expands (`--internal-token-f PATH`)."""
+    name = arg.partition("=")[0]
+    if name in flags:
+        return True
+    return name.startswith("--") and len(name) > 2 and any(f.startswith(name) for f in flags)
 
 
 def is_port_free(host: str, port: int) -> bool:

@@ -318,6 +318,27 @@ def test_a_tp_worker_gets_a_command_its_parser_accepts():
     assert "--tensor-parallel-size" not in worker_command(parse_args([]), "decode", 8200, cpu)
 
 
+@pytest.mark.parametrize(
+    "arg",
+    [
+        ("--internal-token-file", "/run/token"),
+        ("--internal-token-file=/run/token",),
+        ("--internal-token-f", "/run/token"),  # the worker's parser expands abbreviations
+        ("--po", "9000"),
+        ("--tensor-p=2",),
+    ],
+    ids=["token-file", "token-file=", "token-file-abbrev", "port-abbrev", "tp-abbrev="],
+)
+def test_worker_args_cannot_override_what_the_launcher_sets(arg):
+    """A worker's own --internal-token-file would win over the launcher's token in its
+    environment, which the proxy holds: P/D transfers would fail with 401."""
+    from deploy.cluster import LocalConfig
+
+    with pytest.raises(ValueError, match="the launcher sets the workers' --port"):
+        LocalConfig(worker_args=("--max-model-len", "256", *arg))
+    LocalConfig(worker_args=("--max-model-len", "256", "--num-blocks=64"))
+
+
 STUBBORN = """
 import signal, subprocess, sys, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)

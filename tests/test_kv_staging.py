@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -110,3 +112,58 @@ def test_a_staged_push_writes_every_head_where_the_peer_holds_it(p_split, d_spli
             assert all(not s.kv_caches[layer][:, others].any() for s in d_kv)
         pool.settle()
         assert len(pool) == 0 and len(pool._free) == 1
+
+
+# rounds of transfers in flight together, each a number of blocks: buffers of several sizes
+# taken while others are busy, then freed in a shuffled order (the pool holds two sizes)
+ROUNDS = [[3], [1, 4], [2], [4, 1, 3], [1], [2, 4]]
+
+
+@pytest.mark.parametrize("p_split, d_split", [("tp2", "tp1"), ("tp1", "tp2")])
+@pytest.mark.parametrize("direction", ["pull", "push"])
+def test_buffers_of_several_sizes_are_taken_and_freed_in_any_order(p_split, d_split, direction):
+    gen = random.Random(11)
+    with connected(p_split, d_split) as (p_kv, d_kv, p, d):
+        ours, kv = (d, d_kv) if direction == "pull" else (p, p_kv)
+        pool = StagingPool(ours, kv)
+        for sizes in ROUNDS:
+            picked = gen.sample(range(BLOCKS), sum(sizes))  # disjoint blocks within a round
+            gates = []
+            for n in sizes:
+                local, remote = picked[:n], gen.sample(range(BLOCKS), n)
+                picked = picked[n:]
+                move = _staged_pull if direction == "pull" else _staged_push
+                staged = move(pool, p, d, p_kv, d_kv, local, remote)
+                gates.append(Future())  # the pool frees a buffer once its last future settles
+                staged.futures.append(gates[-1])
+            for gate in gen.sample(gates, len(gates)):
+                gate.set_result(None)
+                pool.settle()
+            assert len(pool) == 0 and 1 <= len(pool._free) <= pool.keep
+        for buffer in pool._free:
+            ours.deregister(buffer.registration)
+
+
+def _staged_pull(pool, p, d, p_kv, d_kv, local, remote):
+    staged = pool.for_read(p.layout, len(local))
+    future = d.read_layers("p", range(LAYERS), range(len(local)), remote, via=staged.layout)
+    staged.futures.append(future)
+    future.result(timeout=10)
+    for layer in range(LAYERS):
+        staged.scatter(layer, d_kv, local)
+        assert torch.equal(heads_of(d_kv, layer, local), heads_of(p_kv, layer, remote))
+    return staged
+
+
+def _staged_push(pool, p, d, p_kv, d_kv, local, remote):
+    staged = pool.for_write(d.layout, len(local))
+    for layer in range(LAYERS):
+        staged.gather(layer, p_kv, local)
+        staged.futures.append(
+            p.write_layer("d", layer, range(len(local)), remote, via=staged.layout)
+        )
+    for future in staged.futures:
+        future.result(timeout=10)
+    for layer in range(LAYERS):
+        assert torch.equal(heads_of(d_kv, layer, remote), heads_of(p_kv, layer, local))
+    return staged

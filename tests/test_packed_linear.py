@@ -140,6 +140,51 @@ def test_the_kernel_refuses_another_dtype():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_operands_are_copied_and_kept_until_the_kernel_has_read_them(dtype):
+    """A transposed weight, a strided bias and a strided x each get a contiguous copy: the
+    kernel reads the copy, which must live until it returns (a freed one reads as garbage)."""
+    if not kernel_runs(dtype):
+        pytest.skip(f"the kernel does not run {dtype} on this CPU")
+    gen = torch.Generator().manual_seed(9)
+    for n, k in ((37, 64), (960, 576)):
+        w = torch.randn(k, n, generator=gen).to(dtype).t()  # (N, K), not contiguous
+        b = torch.randn(n, 2, generator=gen).to(dtype)[:, 0]  # every other value
+        x = torch.randn(k, 5, generator=gen).to(dtype).t()
+        packed = skinny_pack(w)
+        for _ in range(3):
+            y = skinny_gemm(x, packed, b, n)
+            assert relative_error(y, reference(x, w, b)) < TOLERANCE[dtype], (n, k)
+
+
+def test_the_kernel_refuses_an_x_or_bias_of_another_size():
+    """The kernel trusts the sizes it is given: a K or a bias length other than the packed
+    weight's is refused before it reads past either."""
+    if not kernel_runs(torch.float32):
+        pytest.skip("the kernel does not run here")
+    w = torch.randn(37, 64)
+    packed = skinny_pack(w)
+    for k in (63, 65, 128):
+        with pytest.raises(ValueError, match="K = 64"):
+            skinny_gemm(torch.randn(2, k), packed, None, 37)
+    with pytest.raises(ValueError, match="K = 64"):
+        skinny_gemm(torch.randn(2, 1, 64), packed, None, 37)
+    with pytest.raises(ValueError, match="bias"):
+        skinny_gemm(torch.randn(2, 64), packed, torch.randn(36), 37)
+    if kernel_runs(torch.bfloat16):
+        packed = skinny_pack(w.bfloat16())
+        with pytest.raises(ValueError, match="K = 64"):
+            skinny_gemm(torch.randn(2, 66).bfloat16(), packed, None, 37)
+        assert skinny_gemm(torch.randn(2, 64).bfloat16(), packed, None, 37).shape == (2, 37)
+
+
+def test_onednn_refuses_an_x_of_another_size_naming_it(monkeypatch):
+    monkeypatch.setattr(pl, "_library", lambda march="native": None)
+    layer = PackedLinear(torch.randn(37, 64))
+    with torch.inference_mode(), pytest.raises(ValueError, match="K = 64"):
+        layer(torch.randn(2, 65))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_layer_runs_the_kernel_at_every_row_count(monkeypatch, dtype):
     if not can_pack(torch.device("cpu"), dtype):
         pytest.skip(f"oneDNN has no native {dtype} on this CPU: the layer is not packed")

@@ -20,7 +20,10 @@ from tests.test_pd_pull import complete, descriptors, prefill, prompts
 from tests.test_pd_push import reserve
 
 PAIRS = {"p2-d1": ("p2", "d1"), "p1-d2": ("p1", "d2"), "p2-d2": ("p2", "d2")}
-NUM_PROMPTS = 8  # lengths 3 .. 64: one block to four, full and partial last blocks
+# one block to three, full and partial last blocks, mixed: a shorter prompt after longer ones
+# takes the smaller of two free staging buffers
+ORDER = [0, 4, 1, 7, 2, 5, 3, 6]  # lengths 3, 17, 9, 33, 15, 24, 16, 31
+NUM_PROMPTS = len(ORDER)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,7 @@ def alone(d1, body: dict) -> list[int]:
 def bodies() -> list[dict]:
     return [
         dict(prompt=prompt, max_tokens=10, ignore_eos=True, return_token_ids=True, temperature=0)
-        for prompt in prompts()[:NUM_PROMPTS]
+        for prompt in (prompts()[i] for i in ORDER)
     ]
 
 

@@ -235,8 +235,9 @@ def _connector(state: ServerState):
 async def ensure_peer(state: ServerState, raw: dict) -> RemotePrefill | None:
     """D, before admitting a remote-prefill request: the prefill worker is known (handshake
     once per engine id). None when it cannot be reached and the policy recomputes locally."""
+    vocab_size = state.require_ready().engine.arch.vocab_size
     try:
-        remote = RemotePrefill.parse(raw)
+        remote = RemotePrefill.parse(raw, vocab_size)
     except KVTransferParamsError as e:
         raise InvalidRequestError(str(e), param="kv_transfer_params") from e
     _connector_for_params(state)

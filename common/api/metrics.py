@@ -39,6 +39,7 @@ RECOMPUTE_REASONS = (
     "read_failed",
     "lease_expired",
     "checksum_mismatch",
+    "remote_blocks_mismatch",
     "push_incomplete",
     "prefill_unreachable",
 )

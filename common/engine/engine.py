@@ -229,11 +229,11 @@ class LLMEngine:
             state = self.connector.reservation_state(rid)
             if state == "ready":
                 blocks = self.connector.claim_reservation(rid)
-                why = self.connector.verify_pushed(req.remote_prefill, [b.block_id for b in blocks])
+                loss = self._pushed_loss(req, rid, blocks)
                 req.remote_prefill = None
-                if why is not None:  # fail closed: never decode from KV that did not check out
+                if loss is not None:  # fail closed: never decode from KV that did not check out
                     self.pool.free(list(reversed(blocks)))
-                    self._on_lost_kv(req, KVLoss("checksum_mismatch", why))
+                    self._on_lost_kv(req, loss)
                     continue
                 req.blocks = blocks
                 req.num_computed_tokens = req.num_tokens - 1
@@ -246,6 +246,16 @@ class LLMEngine:
             else:
                 still.append((req, deadline))
         self._awaiting = still
+
+    def _pushed_loss(self, req: Request, rid: str, blocks: list) -> KVLoss | None:
+        """Why a claimed reservation's KV cannot be decoded from, or None: it must hold exactly
+        the prompt's blocks (a smaller one leaves the tail unwritten) and match P's checksums."""
+        needed = -(-req.num_prompt_tokens // self.config.cache.block_size)
+        if len(blocks) != needed:
+            why = f"reservation {rid} holds {len(blocks)} blocks, the prompt needs {needed}"
+            return KVLoss("remote_blocks_mismatch", why)
+        why = self.connector.verify_pushed(req.remote_prefill, [b.block_id for b in blocks])
+        return None if why is None else KVLoss("checksum_mismatch", why)
 
     def _on_lost_kv(self, req: Request, why: KVLoss) -> None:
         if self.config.transfer.failure_policy == "recompute":

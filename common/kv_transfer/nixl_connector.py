@@ -195,16 +195,28 @@ class NixlConnector(KVConnector):
         remote = request.remote_prefill
         if remote is None:
             return
+        request.remote_prefill = None  # loaded once; a later recompute is local
         first = num_local_cached // self.block_size
-        last = min(len(remote.remote_block_ids), len(request.blocks))
-        self._plans[request.request_id] = LoadPlan(
+        last = len(remote.remote_block_ids)
+        plan = LoadPlan(
             request.request_id,
             remote,
             request.blocks[first:last],
             remote.remote_block_ids[first:last],
             first_block=first,
         )
-        request.remote_prefill = None  # loaded once; a later recompute is local
+        self._plans[request.request_id] = plan
+        peer = self.transport.peer_layout(remote.remote_engine_id)
+        loss = remote.inconsistency(
+            request.num_prompt_tokens,
+            self.block_size,
+            len(self.layer_index),
+            peer and peer.num_blocks,
+        )
+        if loss is not None:  # fail closed: read nothing, and the step's token is dropped
+            logger.warning("KV load for %s refused: %s", request.request_id, loss)
+            plan.failed = True
+            self._failed[request.request_id] = loss
 
     def build_connector_meta(self, scheduled: list) -> StepMeta | None:
         loads = [
@@ -224,7 +236,7 @@ class NixlConnector(KVConnector):
         deadline = time.monotonic() + self.cfg.load_timeout
         for plan in self.connector_metadata.loads:
             plan.started_at = time.perf_counter()
-            if not plan.blocks:  # a full local prefix hit: nothing to read
+            if plan.failed or not plan.blocks:  # refused, or a full local prefix hit
                 continue
             plan.group = self.holds.hold(plan.blocks)
             peer = self.transport.peer_layout(plan.remote.remote_engine_id)
@@ -283,8 +295,17 @@ class NixlConnector(KVConnector):
             future.cancel()
 
     def verify_pushed(self, remote: RemotePrefill, block_ids: list[int]) -> str | None:
-        """D, push mode: why the pushed blocks differ from P's checksums, or None."""
-        for layer, expected in enumerate(remote.kv_checksums or []):
+        """D, push mode: why the pushed blocks differ from P's checksums, or None (also where
+        the checksums are not one list per layer, each of as many blocks, at most ours)."""
+        sums = remote.kv_checksums or []
+        if sums and (
+            len(sums) != len(self.kv_caches)
+            or len({len(c) for c in sums}) != 1
+            or len(sums[0]) > len(block_ids)
+        ):
+            shape = f"{len(sums)} layers of {sorted({len(c) for c in sums})} blocks"
+            return f"kv_checksums for {shape}, not {len(self.kv_caches)} of {len(block_ids)}"
+        for layer, expected in enumerate(sums):
             why = mismatch(self.kv_caches[layer], block_ids[: len(expected)], expected, layer)
             if why is not None:
                 self.stats.num_checksum_failures += 1

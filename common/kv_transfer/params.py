@@ -14,6 +14,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from common.kv_transfer.base import KVLoss
+
 
 class KVTransferParamsError(ValueError):
     pass
@@ -35,20 +37,22 @@ class RemotePrefill:
     do_remote_prefill: bool = True
 
     @classmethod
-    def parse(cls, raw: dict[str, Any]) -> RemotePrefill:
+    def parse(cls, raw: dict[str, Any], vocab_size: int | None = None) -> RemotePrefill:
+        """Each field of its own type, or KVTransferParamsError: nothing is coerced (a float
+        block id or a "false" string is refused, never rounded or taken as true); with
+        `vocab_size`, a first token past the vocabulary is refused too."""
+        top = None if vocab_size is None else vocab_size - 1
         try:
             return cls(
-                remote_engine_id=str(raw["remote_engine_id"]),
-                remote_block_ids=[int(b) for b in raw["remote_block_ids"]],
-                remote_request_id=str(raw["remote_request_id"]),
-                remote_host=str(raw["remote_host"]),
-                remote_port=int(raw["remote_port"]),
-                tp_size=int(raw.get("tp_size", 1)),
-                first_token_id=(
-                    None if raw.get("first_token_id") is None else int(raw["first_token_id"])
-                ),
-                first_token_streamed=bool(raw.get("first_token_streamed", False)),
-                push_reservation_id=raw.get("push_reservation_id"),
+                remote_engine_id=_text(raw["remote_engine_id"]),
+                remote_block_ids=_block_ids(raw["remote_block_ids"]),
+                remote_request_id=_text(raw["remote_request_id"]),
+                remote_host=_text(raw["remote_host"]),
+                remote_port=_integer(raw["remote_port"], 1, 65535),
+                tp_size=_integer(raw.get("tp_size", 1), 1),
+                first_token_id=_optional(raw.get("first_token_id"), _integer, 0, top),
+                first_token_streamed=_flag(raw.get("first_token_streamed", False)),
+                push_reservation_id=_optional(raw.get("push_reservation_id"), _text),
                 kv_checksums=_checksums(raw.get("kv_checksums")),
                 read_by=_optional_float(raw.get("read_by")),
             )
@@ -60,16 +64,74 @@ class RemotePrefill:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def inconsistency(
+        self, num_prompt_tokens: int, block_size: int, num_layers: int, peer_blocks: int | None
+    ) -> KVLoss | None:
+        """D, pull mode: why these blocks cannot hold this prompt's KV, or None. P sends one
+        block per `block_size` prompt tokens, each in its pool, and (--kv-checksum) one
+        checksum per block per layer; a list of any other length would decode over blocks
+        that were never written, or check only some of them."""
+        ids, expected = self.remote_block_ids, -(-num_prompt_tokens // block_size)
+        if len(ids) != expected:
+            why = f"{len(ids)} remote_block_ids for a prompt of {num_prompt_tokens} tokens"
+            return KVLoss("remote_blocks_mismatch", f"{why} ({expected} blocks)")
+        if peer_blocks is not None and any(b >= peer_blocks for b in ids):  # None: read fails
+            why = f"remote_block_ids past the prefill worker's {peer_blocks} blocks"
+            return KVLoss("remote_blocks_mismatch", why)
+        sums = self.kv_checksums
+        if sums is not None and (len(sums) != num_layers or any(len(c) != len(ids) for c in sums)):
+            shape = f"{len(sums)} layers of {sorted({len(c) for c in sums})} blocks"
+            why = f"kv_checksums for {shape}, not {num_layers} of {len(ids)}"
+            return KVLoss("remote_blocks_mismatch", why)
+        return None
+
+
+def _text(raw: Any) -> str:
+    if not isinstance(raw, str) or not raw:
+        raise TypeError(f"expected a non-empty string, got {raw!r}")
+    return raw
+
+
+def _integer(raw: Any, low: int, high: int | None = None) -> int:
+    if not isinstance(raw, int) or isinstance(raw, bool):
+        raise TypeError(f"expected an integer, got {raw!r}")
+    if raw < low or (high is not None and raw > high):
+        raise ValueError(f"{raw} is out of range (from {low} to {high or 'any'})")
+    return raw
+
+
+def _flag(raw: Any) -> bool:
+    if not isinstance(raw, bool):
+        raise TypeError(f"expected true or false, got {raw!r}")
+    return raw
+
+
+def _optional(raw: Any, parse, *args) -> Any:
+    return None if raw is None else parse(raw, *args)
+
+
+def _block_ids(raw: Any) -> list[int]:
+    if not isinstance(raw, list):
+        raise TypeError(f"expected a list of block ids, got {raw!r}")
+    ids = [_integer(b, 0) for b in raw]
+    if len(set(ids)) != len(ids):
+        raise ValueError("a block id appears twice in remote_block_ids")
+    return ids
+
 
 def _checksums(raw: Any) -> list[list[int]] | None:
     if raw is None:
         return None
-    return [[int(c) for c in layer] for layer in raw]
+    if not isinstance(raw, list) or not all(isinstance(layer, list) for layer in raw):
+        raise TypeError("expected kv_checksums as a list (per layer) of lists (per block)")
+    return [[_integer(c, 0) for c in layer] for layer in raw]
 
 
 def _optional_float(raw: Any) -> float | None:
     if raw is None:
         return None
+    if not isinstance(raw, int | float) or isinstance(raw, bool):
+        raise TypeError(f"expected a number, got {raw!r}")
     value = float(raw)
     if not math.isfinite(value):
         raise ValueError(f"expected a finite number, got {raw!r}")
@@ -99,11 +161,11 @@ class PushTarget:
     def parse(cls, raw: dict[str, Any]) -> PushTarget:
         try:
             return cls(
-                engine_id=str(raw["engine_id"]),
-                reservation_id=str(raw["reservation_id"]),
-                block_ids=[int(b) for b in raw["block_ids"]],
-                host=str(raw["host"]),
-                port=int(raw["port"]),
+                engine_id=_text(raw["engine_id"]),
+                reservation_id=_text(raw["reservation_id"]),
+                block_ids=_block_ids(raw["block_ids"]),
+                host=_text(raw["host"]),
+                port=_integer(raw["port"], 1, 65535),
                 write_by=_optional_float(raw.get("write_by")),
             )
         except (KeyError, TypeError, ValueError) as e:

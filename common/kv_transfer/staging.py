@@ -29,7 +29,7 @@ from common.kv_transfer.layout import KVLayout, KVShard, ShardTensors, head_rout
 Routes = tuple[tuple[int, int, int, int], ...]  # (dest shard, src shard, first head, count)
 
 
-@dataclass
+@dataclass(eq=False)  # one buffer is itself: == would compare the tensors elementwise
 class _Buffer:
     tensor: torch.Tensor  # uint8
     registration: object

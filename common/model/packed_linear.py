@@ -141,6 +141,7 @@ def row_plan(weight: torch.Tensor, march: str = "native") -> tuple[str, ...]:
 def _packed_linear(
     x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
+    _check_k(x, packed_weight.shape[1], "packed_linear")
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
@@ -242,9 +243,8 @@ def skinny_pack(weight: torch.Tensor, march: str = "native") -> torch.Tensor | N
     if size == 0:
         return None
     packed = weight.new_empty(size)
-    lib.pdserve_skinny_pack(
-        weight.detach().contiguous().data_ptr(), packed.data_ptr(), n, k, is_bf16
-    )
+    weight = weight.detach().contiguous()  # NOTE: named, so a copy outlives the C call
+    lib.pdserve_skinny_pack(weight.data_ptr(), packed.data_ptr(), n, k, is_bf16)
     return packed
 
 
@@ -255,12 +255,17 @@ def skinny_gemm(
     out_features: int,
     march: str = "native",
 ) -> torch.Tensor:
-    """x (M, K) @ weight (N, K)^T + bias on `skinny_pack(weight, march)`."""
+    """x (M, K) @ weight (N, K)^T + bias on `skinny_pack(weight, march)`. The kernel trusts
+    every size it is given: x's K and the bias's length are checked against the packed weight's."""
     if x.dtype != packed_weight.dtype or (bias is not None and bias.dtype != x.dtype):
         raise TypeError(f"skinny_gemm: x is {x.dtype}, the weight {packed_weight.dtype}")
     lib = _library(march)
-    bias = None if bias is None else bias.contiguous()  # alive until the call returns
+    _check_k(x, _packed_k(lib, packed_weight, out_features), "skinny_gemm")
+    if bias is not None and bias.shape != (out_features,):
+        raise ValueError(f"skinny_gemm: a bias of {tuple(bias.shape)} for {out_features} outputs")
+    # NOTE: named, so that the copies .contiguous() may make outlive the C call
     x = x.contiguous()
+    bias = None if bias is None else bias.contiguous()
     y = x.new_empty(x.shape[0], out_features)
     rc = lib.pdserve_skinny_gemm(
         x.data_ptr(),
@@ -276,6 +281,22 @@ def skinny_gemm(
     if rc != 0:
         raise RuntimeError(f"skinny_gemm: the kernel refused {tuple(x.shape)} x {out_features}")
     return y
+
+
+def _packed_k(lib: ctypes.CDLL, packed_weight: torch.Tensor, out_features: int) -> int | None:
+    """The K that `skinny_pack` packed `packed_weight` for, N = `out_features`: its size
+    grows by a whole line of columns per step of K, so one K gives it (None: none does)."""
+    is_bf16 = int(packed_weight.dtype == torch.bfloat16)
+    per_k = lib.pdserve_skinny_packed_bytes(out_features, 2 if is_bf16 else 1, is_bf16)
+    num_bytes = packed_weight.numel() * packed_weight.element_size()
+    if per_k <= 0 or packed_weight.dim() != 1 or num_bytes % per_k:
+        return None
+    return num_bytes // per_k * (2 if is_bf16 else 1)
+
+
+def _check_k(x: torch.Tensor, k: int | None, op: str) -> None:
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"{op}: x of {tuple(x.shape)} for a weight of K = {k}")
 
 
 @cache

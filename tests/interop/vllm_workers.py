@@ -43,7 +43,7 @@ MAX_TOKENS = 24
 
 def start_vllm(stack, python: Path, model: Path, role: str, port: int, side: int, logs: Path):
     cores = "0" if role == "kv_producer" else "1"
-    cmd, env = server_command(python, model, port, cores, role, side)
+    cmd, env = server_command(python, model, port, cores, role, side, enforce_eager=True)
     return _spawn(stack, cmd, env, logs / f"vllm-{role}.log")
 
 
