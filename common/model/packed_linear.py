@@ -6,9 +6,9 @@ keeps the original weight tensor and a packed copy of it (extra memory: as much 
 weights), and runs its GEMM as a custom op, opaque to torch.compile:
 - `pdserve::skinny_linear`, the C kernel in skinny_gemm.c, on a weight packed in blocks of one
   register's output columns (16 with AVX-512: the operand layout of its bf16 dot product; 8 with
-  AVX2). From 1 to 128 rows its AVX-512 code ran 1.1–2.0x oneDNN's packed GEMM on this box,
-  level with it from 256 to 2048 (docs/benchmarks.md, "Skinny GEMM"), and a row's result does
-  not depend on the rows batched with it;
+  AVX2). From 1 to 128 rows its AVX-512 code ran 1.03–1.68x oneDNN's packed GEMM on an AVX-512
+  BF16 box (docs/benchmarks.md, "Skinny GEMM"), and a row's result does not depend on the rows
+  batched with it;
 - `pdserve::packed_linear`, oneDNN on a weight reordered into its blocked layout (the packing
   torch's inductor applies when it freezes weights), where the kernel does not build or run
   (no compiler, no AVX2, bf16 without AVX512-BF16, an odd K in bf16).
