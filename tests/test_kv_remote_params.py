@@ -180,5 +180,6 @@ def test_a_reservation_smaller_than_the_prompt_fails_closed(workers, policy):
         then = {**long, "prompt": [*long["prompt"], first], "max_tokens": 5}
         assert rest == complete(d.url, then)["choices"][0]["token_ids"]
         assert wait_until(lambda: d.metric(RECOMPUTED) == recomputed + 1)
-    for server in (p, d):
-        assert wait_until(lambda s=server: s.metric("pdserve_kv_blocks_used") == 0)
+    # D's claimed reservation is freed (P's pool may still hold leases of the 400s above, which
+    # D never read: they expire with --kv-lease-timeout)
+    assert wait_until(lambda: d.metric("pdserve_kv_blocks_used") == 0)

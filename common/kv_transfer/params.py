@@ -48,7 +48,7 @@ class RemotePrefill:
                 remote_block_ids=_block_ids(raw["remote_block_ids"]),
                 remote_request_id=_text(raw["remote_request_id"]),
                 remote_host=_text(raw["remote_host"]),
-                remote_port=_integer(raw["remote_port"], 1, 65535),
+                remote_port=_integer(raw["remote_port"], 0, 65535),  # 0: in-process, no HTTP
                 tp_size=_integer(raw.get("tp_size", 1), 1),
                 first_token_id=_optional(raw.get("first_token_id"), _integer, 0, top),
                 first_token_streamed=_flag(raw.get("first_token_streamed", False)),
@@ -165,7 +165,7 @@ class PushTarget:
                 reservation_id=_text(raw["reservation_id"]),
                 block_ids=_block_ids(raw["block_ids"]),
                 host=_text(raw["host"]),
-                port=_integer(raw["port"], 1, 65535),
+                port=_integer(raw["port"], 0, 65535),
                 write_by=_optional_float(raw.get("write_by")),
             )
         except (KeyError, TypeError, ValueError) as e:
