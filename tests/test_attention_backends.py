@@ -21,6 +21,7 @@ from common.attention.backends.torch_paged import TorchPagedBackend
 from common.attention.metadata import AttentionMetadata
 from common.kv_cache.tensors import bytes_per_block, num_blocks_for_memory
 from common.model.hf_config import ArchConfig
+from common.native import choice
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8
 SCALE = HEAD_DIM**-0.5
@@ -189,8 +190,8 @@ def test_native_decode_refuses_what_it_would_misread():
 
 
 def test_without_a_compiler_the_compiled_kernel_decodes(monkeypatch, tmp_path):
-    """No C compiler (CC names none): the kernel is not built, and the compiled path keeps the
-    torch.compile'd decode kernel, with the same answers."""
+    """No C compiler (CC names none): the kernel is not built, the compiled path keeps the
+    torch.compile'd decode kernel, with the same answers, and says so."""
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))  # nothing built here before
     native_decode_module.load.cache_clear()
@@ -200,6 +201,10 @@ def test_without_a_compiler_the_compiled_kernel_decodes(monkeypatch, tmp_path):
         native_decode_module.load.cache_clear()
     assert backend.native is None and backend._attend_by_slot is not None
     batch = build_batch(MIXED, block_size=4)
+    backend.choose_decode_paths(batch.kv_cache, NUM_HEADS)  # shown in /health, with why
+    made = {c.shape: c for c in choice.choices() if c.kernel == "decode_attention"}
+    assert made["float32 batch 1-4"].path == "torch"
+    assert made["float32 batch 17+"].reason == "no C compiler"
     backend.fused_min_tokens = 0
     out = backend.forward(
         batch.query, batch.key, batch.value, batch.kv_cache, batch.meta, SCALE, None
