@@ -46,7 +46,7 @@ class TorchPagedBackend(AttentionBackend):
         tests and benchmarks)."""
         self.compiled_decode = compiled_decode
         self.fused_min_tokens = FUSED_MIN_TOKENS if fused_min_tokens is None else fused_min_tokens
-        self.wants_native = native
+        self.native_march = march if native else None
         self.native: NativeDecode | None = native_decode(march) if native else None  # built now
         # the batch classes the torch path serves instead of the C kernel, once measured
         self.torch_classes: frozenset[BatchClass] = frozenset()
@@ -95,10 +95,11 @@ class TorchPagedBackend(AttentionBackend):
         """Which decode path each batch class runs, recorded (common/native/choice.py): the
         AVX-512 kernel as it is, the others timed against the torch path on these shapes."""
         dtype, native = kv_cache.dtype, self.native
-        if not self.wants_native:
+        if self.native_march is None:
             return
         if native is None:
-            why = "no C compiler" if library_path(SOURCE) is None else "C kernel not built"
+            no_cc = library_path(SOURCE, self.native_march) is None
+            why = "no C compiler" if no_cc else "C kernel build or load failed"
             decode_choice.record_all(dtype, "torch", why)
             return
         q = kv_cache.new_empty(1, num_heads, kv_cache.shape[-1])
