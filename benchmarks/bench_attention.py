@@ -15,7 +15,9 @@ All run in the same process, interleaved rep by rep; the table gives medians (µ
 time over each C path's, and the largest error of any path against a float64 reference.
 `--cold` streams 64 MB through the caches before every call, as a layer meets its KV in a real
 step (the other layers' weights and KV pass through the caches in between). To see torch as on
-a CPU without AVX-512, run with `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`.
+a CPU without AVX-512, run with `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`: the compiled
+kernel then goes to a private inductor cache, as inductor's cache key leaves that setting out and
+an AVX2 kernel loaded by a process on AVX-512 corrupts its heap.
 
     python benchmarks/bench_attention.py [--dtype float32 bfloat16] [--batch 2 8 32] [--cold]
         [--march native x86-64-v3 x86-64-v2]
@@ -24,7 +26,9 @@ a CPU without AVX-512, run with `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -136,6 +140,8 @@ def main() -> None:
         help="instruction sets to build the C kernel for (native, x86-64-v3, x86-64-v2)",
     )
     args = parser.parse_args()
+    if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-isa-")
     cold = torch.empty(64 << 20, dtype=torch.uint8) if args.cold else None
     print(f"{torch.get_num_threads()} threads; µs per layer call, median of {args.reps}")
     print(f"caches: {'evicted before each call' if args.cold else 'warm'}")

@@ -185,9 +185,9 @@ def test_each_batch_class_runs_the_path_chosen_for_it(march, monkeypatch):
     monkeypatch.setattr(backend, "_decode_c", _spy(backend._decode_c, "c", ran))
     monkeypatch.setattr(backend, "_decode_torch", _spy(backend._decode_torch, "torch", ran))
     for batch in (2, 8, 20):
-        q, k, v, cache_, meta, scale, _ = decode_choice._first(
-            decode_choice._synthetic_step(torch.zeros(2, 1, 16, 3, 64), 9, batch), batch
-        )
+        step = decode_choice.synthetic_step(torch.zeros(2, 1, 16, 3, 64), 9, batch)
+        q, k, v, meta, scale = step.q, step.k, step.v, step.meta, 64**-0.5
+        cache_ = torch.randn(2, meta.block_table.numel(), 16, 3, 64)
         out = backend.forward(q, k, v, cache_, meta, scale, None)
         flat = cache_.view(2, -1, 3, 64)
         assert torch.equal(flat[0, meta.slot_mapping], k)

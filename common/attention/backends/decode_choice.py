@@ -3,15 +3,17 @@
 The C kernel's AVX-512 code beats the torch paths on every shape measured (docs/benchmarks.md),
 so it runs without a measurement. Its AVX2 and plain builds are timed at start-up against the
 torch path that would run instead (the compiled kernel where it pays, else SDPA) on the model's
-own head shapes, one batch size per class at a context of `CONTEXT` tokens, and each class keeps
+own head shapes, one batch size per class at a context of `CONTEXT` tokens, each call on KV
+the calls before it pushed out of the CPU's caches (as in a step), and each class keeps
 the faster (common/native/choice.py records every choice for `/health`, the metric and the log).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -20,6 +22,7 @@ from common.native import choice
 
 KERNEL = "decode_attention"
 CONTEXT = 256  # tokens per measured sequence: a few hundred, as in a chat's decode
+ROTATION_BYTES = 64 << 20  # synthetic KV the timed calls rotate over: more than a CPU caches
 
 
 @dataclass(frozen=True)
@@ -52,12 +55,15 @@ def choose_native_classes(
     native_path: str, native: DecodeFn, torch_path: DecodeFn, kv_cache: torch.Tensor, num_heads: int
 ) -> frozenset[BatchClass]:
     """The batch classes where the C kernel (`native_path`: "c-avx2", "c-plain") ran faster
-    than the torch path, timed on a synthetic cache of `kv_cache`'s block and head shape."""
+    than the torch path, timed on synthetic caches of `kv_cache`'s block and head shape."""
     won = set()
-    step = _synthetic_step(kv_cache, num_heads, max(c.measured_at for c in BATCH_CLASSES))
     for cls in BATCH_CLASSES:
-        args = _first(step, cls.measured_at)
-        candidates = {native_path: partial(native, *args), "torch": partial(torch_path, *args)}
+        step = synthetic_step(kv_cache, num_heads, cls.measured_at)
+        caches = _rotating_caches(kv_cache, step.meta.block_table.numel())
+        candidates = {
+            native_path: step.runner(native, caches),
+            "torch": step.runner(torch_path, caches),
+        }
         if choice.choose(KERNEL, cls.label(kv_cache.dtype), candidates) == native_path:
             won.add(cls)
     return frozenset(won)
@@ -69,13 +75,29 @@ def record_all(dtype: torch.dtype, path: str, reason: str) -> None:
         choice.record(KERNEL, cls.label(dtype), path, reason)
 
 
-def _synthetic_step(kv_cache: torch.Tensor, num_heads: int, batch: int):
-    """q (B, Hq, D), this step's k/v rows (B, Hkv, D), a cache shaped as `kv_cache` holding B
-    contexts of CONTEXT tokens in shuffled blocks, and their metadata."""
+@dataclass
+class SyntheticStep:
+    """B decodes of CONTEXT tokens each in shuffled blocks: a cache of B * blocks-a-sequence
+    blocks holds them; q (B, Hq, D) and their own k/v rows (B, Hkv, D)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    meta: AttentionMetadata
+
+    def runner(self, decode: DecodeFn, caches: list[torch.Tensor]) -> Callable[[], object]:
+        """`decode` of this step over the next cache of `caches` at each call."""
+        turn = itertools.count()
+        scale = self.q.shape[-1] ** -0.5
+        return lambda: decode(
+            self.q, self.k, self.v, caches[next(turn) % len(caches)], self.meta, scale, None
+        )
+
+
+def synthetic_step(kv_cache: torch.Tensor, num_heads: int, batch: int) -> SyntheticStep:
     _, _, block_size, kv_heads, dim = kv_cache.shape
     per_seq = -(-CONTEXT // block_size)
-    gen = torch.Generator().manual_seed(0)
-    cache = torch.rand(2, batch * per_seq, block_size, kv_heads, dim, generator=gen)
+    gen = torch.Generator().manual_seed(batch)
     table = torch.randperm(batch * per_seq, generator=gen).view(batch, per_seq)
     last = CONTEXT - 1
     lens = torch.full((batch,), CONTEXT)
@@ -89,23 +111,17 @@ def _synthetic_step(kv_cache: torch.Tensor, num_heads: int, batch: int):
         block_size=block_size,
         request_ids=[str(i) for i in range(batch)],
     )
-    dtype = kv_cache.dtype
-    q = torch.rand(batch, num_heads, dim, generator=gen).to(dtype)
-    k, v = torch.rand(2, batch, kv_heads, dim, generator=gen).to(dtype)
-    return q, k, v, cache.to(dtype), meta
+    q = torch.rand(batch, num_heads, dim, generator=gen).to(kv_cache.dtype)
+    k, v = torch.rand(2, batch, kv_heads, dim, generator=gen).to(kv_cache.dtype)
+    return SyntheticStep(q, k, v, meta)
 
 
-def _first(step, batch: int):
-    """The first `batch` sequences of a synthetic step, as DecodeFn's arguments."""
-    q, k, v, cache, meta = step
-    sub = AttentionMetadata(
-        slot_mapping=meta.slot_mapping[:batch],
-        query_start_loc=meta.query_start_loc[: batch + 1],
-        seq_lens=meta.seq_lens[:batch],
-        block_table=meta.block_table[:batch],
-        seq_lens_tensor=meta.seq_lens_tensor[:batch],
-        num_decodes=batch,
-        block_size=meta.block_size,
-        request_ids=meta.request_ids[:batch],
-    )
-    return q[:batch], k[:batch], v[:batch], cache, sub, q.shape[-1] ** -0.5, None
+def _rotating_caches(kv_cache: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
+    """Caches of `num_blocks` blocks shaped as `kv_cache`'s, as many as fill ROTATION_BYTES
+    (at least one): the calls take them in turn, so each reads a cache that the calls before it
+    pushed out of the CPU's caches, as a layer's KV is when its turn comes in a step."""
+    one = (2, num_blocks, *kv_cache.shape[2:])
+    count = max(1, ROTATION_BYTES // (math.prod(one) * kv_cache.element_size()))
+    # NOTE: written, not zeros: untouched zero pages all map to one page, always in the cache;
+    # each its own tensor: a view that starts elsewhere would recompile the torch kernel
+    return [torch.full(one, 0.01, dtype=kv_cache.dtype) for _ in range(count)]
