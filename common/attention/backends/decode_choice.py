@@ -21,7 +21,7 @@ from common.attention.metadata import AttentionMetadata
 from common.native import choice
 
 KERNEL = "decode_attention"
-CONTEXT = 256  # tokens per measured sequence: a few hundred, as in a chat's decode
+CONTEXT = 512  # tokens per measured sequence: a few hundred, as in a chat's decode
 ROTATION_BYTES = 64 << 20  # synthetic KV the timed calls rotate over: more than a CPU caches
 
 

@@ -233,8 +233,10 @@ static inline __m256 dots8(const float *q, const char *const k[8], int64_t nv, i
             }
         } else {
             const __m256 qv = _mm256_loadu_ps(q + 8 * j);
-            for (int i = 0; i < 8; i++)
-                acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps((const float *)(k[i] + 32 * j)), acc[i]);
+            for (int i = 0; i < 8; i++) {
+                const __m256 x = _mm256_loadu_ps((const float *)(k[i] + 32 * j));
+                acc[i] = _mm256_fmadd_ps(qv, x, acc[i]);
+            }
         }
     }
     return sum8(acc);
@@ -426,7 +428,8 @@ static inline __attribute__((always_inline)) void weighted_v_block8(const Item *
         for (int64_t i = 0; i < PREFETCH_V && i < it->n; i++)
             prefetch_row(pf + it->off[i], it->pf_bytes);
     for (int64_t i = 0; i < it->n; i++) {
-        if (c0 == 0 && i + PREFETCH_V < it->n) prefetch_row(pf + it->off[i + PREFETCH_V], it->pf_bytes);
+        if (c0 == 0 && i + PREFETCH_V < it->n)
+            prefetch_row(pf + it->off[i + PREFETCH_V], it->pf_bytes);
         const char *v = a->v + it->off[i] + it->head + c0 * 32;
         __m256 w[3];
         for (int g = 0; g < GC; g++) w[g] = _mm256_broadcast_ss(it->s + (g0 + g) * a->max_len + i);
