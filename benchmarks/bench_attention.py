@@ -11,8 +11,9 @@ write included):
   (native: this CPU's; x86-64-v3: AVX2 and FMA; x86-64-v2: plain C loops);
 - `<path> chosen`: the compiled path with a non-AVX-512 build, after its start-up choice per
   batch class between it and the torch path (decode_choice.py).
-All run in the same process, interleaved rep by rep; the table gives medians (µs), `torch`'s
-time over each C path's, and the largest error of any path against a float64 reference.
+All run in the same process, interleaved rep by rep in a shuffled order; the table gives medians
+(µs), `torch`'s time over each C path's, and the largest error of any path against a float64
+reference.
 `--cold` streams 64 MB through the caches before every call, as a layer meets its KV in a real
 step (the other layers' weights and KV pass through the caches in between). To see torch as on
 a CPU without AVX-512, run with `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`: the compiled
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -88,8 +90,11 @@ def measure(paths: dict, batch: int, context: int, dtype: torch.dtype, reps: int
         out = backend.forward(q, k, v, cache, meta, DIM**-0.5, None)
         want = reference(meta, q, cache)
         row[f"{name} err"] = (out.double() - want).abs().max().item()
-    for _ in range(reps):
-        for name, backend in paths.items():
+    order = list(paths)
+    for rep in range(reps):
+        random.Random(rep).shuffle(order)  # no path always runs after the same other one
+        for name in order:
+            backend = paths[name]
             took = 0.0
             for _ in range(10):
                 if cold is not None:
