@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from common.attention.backends import decode_choice
 from common.attention.backends.base import AttentionBackend, write_kv
-from common.attention.backends.decode_choice import BatchClass, batch_class
+from common.attention.backends.decode_choice import BATCH_CLASSES, BatchClass, batch_class
 from common.attention.backends.native_decode import SOURCE, NativeDecode, native_decode
 from common.attention.metadata import AttentionMetadata
 from common.native.build import library_path
@@ -129,10 +129,13 @@ class TorchPagedBackend(AttentionBackend):
             self._attend_by_slot(q, flat[0], flat[1], slots, lo, hi, dim**-0.5)
 
     def _runs_native(self, query: torch.Tensor, kv_cache: torch.Tensor, nd: int) -> bool:
-        native = self.native
-        if native is None or not native.supports(query, kv_cache):
+        """Once a layer: nothing to look up where one path serves every batch class."""
+        native, torch_classes = self.native, self.torch_classes
+        if native is None or len(torch_classes) == len(BATCH_CLASSES):
             return False
-        return batch_class(nd) not in self.torch_classes
+        if not native.supports(query, kv_cache):
+            return False
+        return not torch_classes or batch_class(nd) not in torch_classes
 
     def _decode_c(self, q, key, value, kv_cache, meta, scale, sliding_window) -> torch.Tensor:
         """The decodes' (B rows) attention by the C kernel, which writes their K/V rows."""
