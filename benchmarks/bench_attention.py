@@ -1,30 +1,42 @@
 """Decode attention per layer call: SDPA on the gathered context, the compiled kernel and the C one.
 
-The torch backend's three decode paths (common/attention/backends/torch_paged.py) on SmolLM2's
-head shapes (9 query heads, 3 KV heads, head dim 64), a batch of B decodes whose contexts of
-L tokens lie in shuffled 16-token blocks, through `TorchPagedBackend.forward` as a layer calls
-it (the KV write included):
+The torch backend's decode paths (common/attention/backends/torch_paged.py) on SmolLM2's head
+shapes (9 query heads, 3 KV heads, head dim 64), a batch of B decodes whose contexts of L tokens
+lie in shuffled 16-token blocks, through `TorchPagedBackend.forward` as a layer calls it (the KV
+write included):
 - `sdpa`: `--enforce-eager`'s path, index_select of K and V, then SDPA with a length mask;
 - `fused`: the torch.compile'd kernel, reading K/V by slot inside two fp32 reductions;
-- `native`: the C kernel (native_decode.c), the compiled path's choice on a CPU.
-All run in the same process, interleaved rep by rep; the table gives medians (µs), the ratios
-to `native`, and each path's largest error against a float64 reference. `--cold` streams 64 MB
-through the caches before every call, as a layer meets its KV in a real step (the other layers'
-weights and KV pass through the caches in between).
+- `torch`: of those two, the one the compiled path runs without the C kernel at this shape;
+- `c-avx512`, `c-avx2`, `c-plain`: the C kernel (native_decode.c) built for each `--march`
+  (native: this CPU's; x86-64-v3: AVX2 and FMA; x86-64-v2: plain C loops);
+- `<path> chosen`: the compiled path with a non-AVX-512 build, after its start-up choice per
+  batch class between it and the torch path (decode_choice.py).
+All run in the same process, interleaved rep by rep in a shuffled order; the table gives medians
+(µs), `torch`'s time over each C path's, and the largest error of any path against a float64
+reference.
+`--cold` streams 64 MB through the caches before every call, as a layer meets its KV in a real
+step (the other layers' weights and KV pass through the caches in between). To see torch as on
+a CPU without AVX-512, run with `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`: the compiled
+kernel then goes to a private inductor cache, as inductor's cache key leaves that setting out and
+an AVX2 kernel loaded by a process on AVX-512 corrupts its heap.
 
     python benchmarks/bench_attention.py [--dtype float32 bfloat16] [--batch 2 8 32] [--cold]
+        [--march native x86-64-v3 x86-64-v2]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import random
 import statistics
+import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
 
-from common.attention.backends.torch_paged import TorchPagedBackend
+from common.attention.backends.torch_paged import FUSED_MIN_TOKENS, TorchPagedBackend
 from common.attention.metadata import AttentionMetadata
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
@@ -78,8 +90,11 @@ def measure(paths: dict, batch: int, context: int, dtype: torch.dtype, reps: int
         out = backend.forward(q, k, v, cache, meta, DIM**-0.5, None)
         want = reference(meta, q, cache)
         row[f"{name} err"] = (out.double() - want).abs().max().item()
-    for _ in range(reps):
-        for name, backend in paths.items():
+    order = list(paths)
+    for rep in range(reps):
+        random.Random(rep).shuffle(order)  # no path always runs after the same other one
+        for name in order:
+            backend = paths[name]
             took = 0.0
             for _ in range(10):
                 if cold is not None:
@@ -90,7 +105,28 @@ def measure(paths: dict, batch: int, context: int, dtype: torch.dtype, reps: int
             times[name].append(took / 10 * 1e6)
     for name in paths:
         row[name] = statistics.median(times[name])
+    fused_pays = batch > 1 and batch * context >= FUSED_MIN_TOKENS
+    row["torch"] = row["fused" if fused_pays else "sdpa"]
     return row
+
+
+def build_paths(marches: list[str], dtype: torch.dtype) -> dict[str, TorchPagedBackend]:
+    """sdpa, fused, then per march the C kernel alone and, where it is not the AVX-512 code,
+    the compiled path after its start-up choice."""
+    paths = {
+        "sdpa": TorchPagedBackend(),
+        "fused": TorchPagedBackend(True, fused_min_tokens=0),
+    }
+    for march in marches:
+        native = TorchPagedBackend(native=True, march=march)
+        assert native.native is not None, f"the C kernel did not build for -march={march}"
+        paths[native.native.path] = native
+        if native.native.path != "c-avx512":
+            chosen = TorchPagedBackend(True, native=True, march=march)
+            kv_cache = torch.empty(2, 1, BLOCK, KV_HEADS, DIM, dtype=dtype)
+            chosen.warm_up([kv_cache, kv_cache.clone()], HEADS)
+            paths[f"{native.native.path} chosen"] = chosen
+    return paths
 
 
 def main() -> None:
@@ -102,30 +138,42 @@ def main() -> None:
     parser.add_argument("--context", type=int, nargs="+", default=[160, 600, 2000])
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--cold", action="store_true", help="evict the caches before each call")
+    parser.add_argument(
+        "--march",
+        nargs="+",
+        default=["native"],
+        help="instruction sets to build the C kernel for (native, x86-64-v3, x86-64-v2)",
+    )
     args = parser.parse_args()
+    if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-isa-")
     cold = torch.empty(64 << 20, dtype=torch.uint8) if args.cold else None
     print(f"{torch.get_num_threads()} threads; µs per layer call, median of {args.reps}")
     print(f"caches: {'evicted before each call' if args.cold else 'warm'}")
-    print(
-        "| dtype | batch | context | sdpa µs | fused µs | native µs | sdpa / native "
-        "| fused / native | sdpa err | fused err | native err |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"torch CPU capability: {torch.backends.cpu.get_cpu_capability()}")
     for dtype in args.dtype:
-        paths = {
-            "sdpa": TorchPagedBackend(),
-            "fused": TorchPagedBackend(True, fused_min_tokens=0),
-            "native": TorchPagedBackend(native=True),
-        }
-        assert paths["native"].native is not None, "the C kernel did not build here"
+        paths = build_paths(args.march, getattr(torch, dtype))
+        names = [*paths, "torch"]
+        c_paths = [name for name in paths if name.startswith("c-")]
+        print()
+        print(
+            "| dtype | batch | context | "
+            + " | ".join(f"{n} µs" for n in names)
+            + " | "
+            + " | ".join(f"torch / {n}" for n in c_paths)
+            + " | worst err |"
+        )
+        print("|---|---:|---:|" + "---:|" * (len(names) + len(c_paths) + 1))
         for batch in args.batch:
             for context in args.context:
                 r = measure(paths, batch, context, getattr(torch, dtype), args.reps, cold)
+                err = max(r[f"{n} err"] for n in paths)
                 print(
-                    f"| {dtype} | {batch} | {context} | {r['sdpa']:.0f} | {r['fused']:.0f} | "
-                    f"{r['native']:.0f} | {r['sdpa'] / r['native']:.2f} | "
-                    f"{r['fused'] / r['native']:.2f} | {r['sdpa err']:.1e} | "
-                    f"{r['fused err']:.1e} | {r['native err']:.1e} |"
+                    f"| {dtype} | {batch} | {context} | "
+                    + " | ".join(f"{r[n]:.0f}" for n in names)
+                    + " | "
+                    + " | ".join(f"{r['torch'] / r[n]:.2f}" for n in c_paths)
+                    + f" | {err:.1e} |"
                 )
 
 

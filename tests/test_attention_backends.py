@@ -17,10 +17,11 @@ import torch
 from common.attention.backends import native_decode as native_decode_module
 from common.attention.backends import select_backend
 from common.attention.backends.flash import FlashAttentionBackend
-from common.attention.backends.torch_paged import TorchPagedBackend, _attend_by_slot, _compiled
+from common.attention.backends.torch_paged import TorchPagedBackend
 from common.attention.metadata import AttentionMetadata
 from common.kv_cache.tensors import bytes_per_block, num_blocks_for_memory
 from common.model.hf_config import ArchConfig
+from common.native import choice
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8
 SCALE = HEAD_DIM**-0.5
@@ -153,40 +154,6 @@ def test_decodes_with_only_a_bound_on_the_host(sliding_window, decode):
     assert torch.equal(batch.kv_cache, batch.expected_cache)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("sliding_window", [None, 50])
-def test_native_decode_on_smollm2_shapes(dtype, sliding_window):
-    """The C kernel's vector path (9 query heads on 3 KV heads, head dim 64: 16 positions
-    scored at a time, bf16 products with vdpbf16ps where the CPU has them) against float64,
-    on contexts of 1 to 300 positions (none a multiple of 16 but one) in shuffled blocks; and
-    the same answer, to bf16 rounding, as the compiled torch kernel."""
-    heads, kv_heads, dim, block = 9, 3, 64, 16
-    gen = torch.Generator().manual_seed(3)
-    lens = [1, 15, 16, 17, 40, 129, 300]
-    tables, num_blocks = _block_tables(lens, block)
-    cache = torch.randn(2, num_blocks, block, kv_heads, dim, generator=gen).to(dtype)
-    q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
-    scale = dim**-0.5
-    hi = torch.tensor(lens)
-    lo = hi.new_zeros(len(lens)) if sliding_window is None else (hi - sliding_window).clamp(min=0)
-    flat = cache.view(2, -1, kv_heads, dim)
-    native = TorchPagedBackend(native=True).native
-    out = native(q, flat[0], flat[1], _padded(tables), lo, hi, block, max(lens), scale)
-    fused = _compiled(_attend_by_slot)
-    for i, n in enumerate(lens):
-        pos = torch.arange(int(lo[i]), n)
-        slots = torch.tensor(tables[i])[pos // block] * block + pos % block
-        k, v = (flat[j, slots].double().transpose(0, 1) for j in (0, 1))  # (Hkv, L, D)
-        qh = q[i].double().view(kv_heads, -1, dim)
-        want = torch.softmax(qh @ k.transpose(1, 2) * scale, -1) @ v  # (Hkv, G, D)
-        got = out[i].double().view(kv_heads, -1, dim)
-        assert (got - want).abs().max().item() < (1e-5 if dtype == torch.float32 else 1e-2)
-        if dtype == torch.bfloat16:
-            other = fused(qh.to(dtype)[None], flat[0], flat[1], slots[None], pos[:1] * 0,
-                          pos[:1] * 0 + len(pos), scale)  # fmt: skip
-            assert (got - other[0].double()).abs().max().item() <= 2**-7 * want.abs().max()
-
-
 def test_the_compiled_path_on_cpu_decodes_with_the_c_kernel(monkeypatch):
     """select_backend's choice for the engine's compiled path (not --enforce-eager) on a CPU:
     the torch backend with the C kernel built, which one call per layer runs for all of a
@@ -223,8 +190,8 @@ def test_native_decode_refuses_what_it_would_misread():
 
 
 def test_without_a_compiler_the_compiled_kernel_decodes(monkeypatch, tmp_path):
-    """No C compiler (CC names none): the kernel is not built, and the compiled path keeps the
-    torch.compile'd decode kernel, with the same answers."""
+    """No C compiler (CC names none): the kernel is not built, the compiled path keeps the
+    torch.compile'd decode kernel, with the same answers, and says so."""
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))  # nothing built here before
     native_decode_module.load.cache_clear()
@@ -234,6 +201,10 @@ def test_without_a_compiler_the_compiled_kernel_decodes(monkeypatch, tmp_path):
         native_decode_module.load.cache_clear()
     assert backend.native is None and backend._attend_by_slot is not None
     batch = build_batch(MIXED, block_size=4)
+    backend.choose_decode_paths(batch.kv_cache, NUM_HEADS)  # shown in /health, with why
+    made = {c.shape: c for c in choice.choices() if c.kernel == "decode_attention"}
+    assert made["float32 batch 1-4"].path == "torch"
+    assert made["float32 batch 17+"].reason == "no C compiler"
     backend.fused_min_tokens = 0
     out = backend.forward(
         batch.query, batch.key, batch.value, batch.kv_cache, batch.meta, SCALE, None

@@ -24,6 +24,8 @@ def pd(start_server, tiny_model):
     d = start_server("decode", *common, *chunks, compiled, "--kv-lease-timeout", "2")
     for worker in (p, d):
         assert worker.metric("pdserve_model_compile_seconds") > 0, worker.log()
+        kernels = httpx.get(f"{worker.url}/health", timeout=5).json()["kernels"]
+        assert any(k.startswith("decode_attention [") for k in kernels), kernels  # what decodes
     return p, d
 
 

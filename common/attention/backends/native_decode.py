@@ -1,7 +1,10 @@
 """The CPU decode attention kernel (native_decode.c), built at start-up (common/native/build.py).
 
 `native_decode()` returns a `NativeDecode` around the built library, or None where it could not
-be built or loaded: the caller keeps its torch path.
+be built or loaded: the caller keeps its torch path. `NativeDecode.path` names the vector code
+the library was built with ("c-avx512", "c-avx2", or "c-plain" for plain C loops); `march`
+builds it for another instruction set than this CPU's (tests and benchmarks check every path
+on one machine).
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from common.native.build import load_library
 
 SOURCE = Path(__file__).with_suffix(".c")
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the kernel's bounds; larger shapes keep the torch path
+PATHS = {2: "c-avx512", 1: "c-avx2", 0: "c-plain"}  # pdserve_decode_attention_init()'s answer
 
 
 class NativeDecode:
-    def __init__(self, lib: ctypes.CDLL):
+    def __init__(self, lib: ctypes.CDLL, path: str):
+        self.path = path
         fn = lib.pdserve_decode_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr] * 8 + [i64, ptr, ptr, ptr] + [i64] * 6 + [ctypes.c_float]
@@ -99,15 +104,15 @@ class NativeDecode:
         return out
 
 
-def native_decode() -> NativeDecode | None:
-    lib = load()
-    return None if lib is None else NativeDecode(lib)
+def native_decode(march: str = "native") -> NativeDecode | None:
+    built = load(march)
+    return None if built is None else NativeDecode(*built)
 
 
 @cache
-def load() -> ctypes.CDLL | None:
-    """The built library, or None (no compiler, a failed build): logged once."""
-    lib = load_library(SOURCE)
-    if lib is not None:
-        lib.pdserve_decode_attention_init()
-    return lib
+def load(march: str = "native") -> tuple[ctypes.CDLL, str] | None:
+    """The built library and its path, or None (no compiler, a failed build): logged once."""
+    lib = load_library(SOURCE, march)
+    if lib is None:
+        return None
+    return lib, PATHS[lib.pdserve_decode_attention_init()]

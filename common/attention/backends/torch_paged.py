@@ -8,7 +8,9 @@ With `native` (the engine's compiled path on a CPU), a step's decodes run as one
 C kernel in native_decode.c: it writes each decode's own K/V row, reads each context from the
 cache by slot, prefetching rows ahead, scores 16 positions at a time and accumulates in
 float32 (docs/benchmarks.md, "Decode attention in C"). A shape it does not take (more than 16
-query heads a KV head) falls back to SDPA. Without it (no C compiler, a failed build),
+query heads a KV head) falls back to SDPA. Where the kernel was built without AVX-512 (its AVX2
+or plain code), `warm_up` times it against the torch path per batch size class and each class
+runs the faster (decode_choice.py). Without it (no C compiler, a failed build),
 `compiled_decode` runs a step's decodes with enough context (`FUSED_MIN_TOKENS`) as one
 torch.compile'd kernel that reads each context by slot inside two float32 reductions: no
 gathered copy of K/V, no mask tensor (up to 1.5x SDPA on the gathered context in bf16, 3.9x in
@@ -22,9 +24,12 @@ import types
 import torch
 import torch.nn.functional as F
 
+from common.attention.backends import decode_choice
 from common.attention.backends.base import AttentionBackend, write_kv
-from common.attention.backends.native_decode import NativeDecode, native_decode
+from common.attention.backends.decode_choice import BATCH_CLASSES, BatchClass, batch_class
+from common.attention.backends.native_decode import SOURCE, NativeDecode, native_decode
 from common.attention.metadata import AttentionMetadata
+from common.native.build import library_path
 
 
 class TorchPagedBackend(AttentionBackend):
@@ -35,11 +40,18 @@ class TorchPagedBackend(AttentionBackend):
         compiled_decode: bool = False,
         fused_min_tokens: int | None = None,
         native: bool = False,
+        march: str = "native",
     ):
+        """`march`: the instruction set the C kernel is built for (another than this CPU's in
+        tests and benchmarks)."""
         self.compiled_decode = compiled_decode
         self.fused_min_tokens = FUSED_MIN_TOKENS if fused_min_tokens is None else fused_min_tokens
-        self.native: NativeDecode | None = native_decode() if native else None  # built now
-        fused = compiled_decode and self.native is None  # not compiled where the C kernel runs
+        self.native_march = march if native else None
+        self.native: NativeDecode | None = native_decode(march) if native else None  # built now
+        # the batch classes the torch path serves instead of the C kernel, once measured
+        self.torch_classes: frozenset[BatchClass] = frozenset()
+        # compiled unless only the AVX-512 kernel runs: the AVX2 one is timed against it
+        fused = compiled_decode and (self.native is None or self.native.path != "c-avx512")
         self._attend_by_slot = _compiled(_attend_by_slot) if fused else None
 
     def forward(
@@ -53,27 +65,17 @@ class TorchPagedBackend(AttentionBackend):
         sliding_window: int | None,
     ) -> torch.Tensor:
         nd = meta.num_decodes
-        native = nd > 0 and self.native is not None and self.native.supports(query, kv_cache)
-        if native:  # the kernel writes the decodes' own K/V rows, the prefill rows are written here
-            if meta.num_tokens > nd:
-                write_kv(kv_cache, key[nd:], value[nd:], meta.slot_mapping[nd:])
-            new = (key[:nd], value[:nd], meta.slot_mapping[:nd])
-            dec = _decode_native(
-                self.native, query[:nd], kv_cache, meta, scale, sliding_window, new
-            )
+        if meta.num_tokens > nd:  # the prefill rows; each decode path writes its own
+            write_kv(kv_cache, key[nd:], value[nd:], meta.slot_mapping[nd:])
+        if nd:
+            native = self._runs_native(query, kv_cache, nd)
+            decode = self._decode_c if native else self._decode_torch
+            dec = decode(query[:nd], key[:nd], value[:nd], kv_cache, meta, scale, sliding_window)
             if nd == meta.num_tokens:
                 return dec
-        else:
-            write_kv(kv_cache, key, value, meta.slot_mapping)
         out = torch.empty_like(query)
-        if native:
+        if nd:
             out[:nd] = dec
-        elif self._attend_by_slot is not None and self._fused_pays(meta, nd):
-            out[:nd] = _decode_fused(
-                self._attend_by_slot, query[:nd], kv_cache, meta, scale, sliding_window
-            )
-        elif nd:
-            out[:nd] = _decode(query[:nd], kv_cache, meta, scale, sliding_window)
         for i in range(nd, meta.num_seqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             if meta.seq_lens[i] == end - start:  # no cached prefix: attend to the new K/V
@@ -84,6 +86,34 @@ class TorchPagedBackend(AttentionBackend):
         return out
 
     def warm_up(self, kv_caches: list[torch.Tensor], num_heads: int) -> None:
+        """Compile the decode kernel, then choose between it and the C kernel per batch class
+        (`choose_decode_paths`)."""
+        self._compile_fused(kv_caches, num_heads)
+        self.choose_decode_paths(kv_caches[0], num_heads)
+
+    def choose_decode_paths(self, kv_cache: torch.Tensor, num_heads: int) -> None:
+        """Which decode path each batch class runs, recorded (common/native/choice.py): the
+        AVX-512 kernel as it is, the others timed against the torch path on these shapes."""
+        dtype, native = kv_cache.dtype, self.native
+        if self.native_march is None:
+            return
+        if native is None:
+            no_cc = library_path(SOURCE, self.native_march) is None
+            why = "no C compiler" if no_cc else "C kernel build or load failed"
+            decode_choice.record_all(dtype, "torch", why)
+            return
+        q = kv_cache.new_empty(1, num_heads, kv_cache.shape[-1])
+        if not native.supports(q, kv_cache):
+            decode_choice.record_all(dtype, "torch", "head shape not taken by the C kernel")
+        elif native.path == "c-avx512":
+            decode_choice.record_all(dtype, native.path, "AVX-512 build, kept without timing")
+        else:
+            won = decode_choice.choose_native_classes(
+                native.path, self._decode_c, self._decode_torch, kv_cache, num_heads
+            )
+            self.torch_classes = frozenset(decode_choice.BATCH_CLASSES) - won
+
+    def _compile_fused(self, kv_caches: list[torch.Tensor], num_heads: int) -> None:
         """Compile the decode kernel over every layer's cache (dynamo guards on where a view
         starts, so the second layer generalizes the first graph): two queries over slots 0-4.
         NOTE: sizes unlike each other and the head counts, so that no two dimensions are
@@ -97,6 +127,29 @@ class TorchPagedBackend(AttentionBackend):
             slots = torch.arange(5, device=kv_cache.device).repeat(2, 1)
             lo, hi = slots.new_zeros(2), slots.new_full((2,), 5)
             self._attend_by_slot(q, flat[0], flat[1], slots, lo, hi, dim**-0.5)
+
+    def _runs_native(self, query: torch.Tensor, kv_cache: torch.Tensor, nd: int) -> bool:
+        """Once a layer: nothing to look up where one path serves every batch class."""
+        native, torch_classes = self.native, self.torch_classes
+        if native is None or len(torch_classes) == len(BATCH_CLASSES):
+            return False
+        if not native.supports(query, kv_cache):
+            return False
+        return not torch_classes or batch_class(nd) not in torch_classes
+
+    def _decode_c(self, q, key, value, kv_cache, meta, scale, sliding_window) -> torch.Tensor:
+        """The decodes' (B rows) attention by the C kernel, which writes their K/V rows."""
+        new = (key, value, meta.slot_mapping[: q.shape[0]])
+        return _decode_native(self.native, q, kv_cache, meta, scale, sliding_window, new)
+
+    def _decode_torch(self, q, key, value, kv_cache, meta, scale, sliding_window) -> torch.Tensor:
+        """The decodes' (B rows) attention by torch: their K/V rows written, then the compiled
+        kernel where it pays, else SDPA on the gathered context."""
+        nd = q.shape[0]
+        write_kv(kv_cache, key, value, meta.slot_mapping[:nd])
+        if self._attend_by_slot is not None and self._fused_pays(meta, nd):
+            return _decode_fused(self._attend_by_slot, q, kv_cache, meta, scale, sliding_window)
+        return _decode(q, kv_cache, meta, scale, sliding_window)
 
     def _fused_pays(self, meta: AttentionMetadata, nd: int) -> bool:
         return nd > 1 and nd * max(meta.seq_lens[:nd]) >= self.fused_min_tokens
