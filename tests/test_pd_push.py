@@ -26,6 +26,10 @@ def pd(start_server, tiny_model):
         assert worker.metric("pdserve_model_compile_seconds") > 0, worker.log()
         kernels = httpx.get(f"{worker.url}/health", timeout=5).json()["kernels"]
         assert any(k.startswith("decode_attention [") for k in kernels), kernels  # what decodes
+        for name, path in kernels.items():  # the same choices as a metric, one sample each
+            kernel, shape = name.removesuffix("]").split(" [")
+            sample = f'pdserve_kernel_path{{kernel="{kernel}",path="{path}",shape="{shape}"}}'
+            assert worker.metric(sample) == 1, sample
     return p, d
 
 
