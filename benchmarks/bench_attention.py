@@ -52,18 +52,7 @@ def decode_batch(batch: int, context: int, dtype: torch.dtype, seed: int = 0):
     num_blocks = batch * per_seq + 1
     cache = torch.randn(2, num_blocks, BLOCK, KV_HEADS, DIM, generator=g).to(dtype)
     table = torch.randperm(num_blocks - 1, generator=g)[: batch * per_seq].view(batch, per_seq)
-    last = lens - 1
-    slots = table.gather(1, (last // BLOCK)[:, None])[:, 0] * BLOCK + last % BLOCK
-    meta = AttentionMetadata(
-        slot_mapping=slots,
-        query_start_loc=list(range(batch + 1)),
-        seq_lens=lens.tolist(),
-        block_table=table,
-        seq_lens_tensor=lens,
-        num_decodes=batch,
-        block_size=BLOCK,
-        request_ids=[str(i) for i in range(batch)],
-    )
+    meta = AttentionMetadata.for_decodes(table, lens, BLOCK)
     q = torch.randn(batch, HEADS, DIM, generator=g).to(dtype)
     k, v = torch.randn(2, batch, KV_HEADS, DIM, generator=g).to(dtype)
     return meta, q, k, v, cache

@@ -42,3 +42,22 @@ class AttentionMetadata:
 
     def query_len(self, i: int) -> int:
         return self.query_start_loc[i + 1] - self.query_start_loc[i]
+
+    @classmethod
+    def for_decodes(
+        cls, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+    ) -> AttentionMetadata:
+        """A step of decodes only: one query each, the new token at the last of `seq_lens`
+        (B,) positions of its row of `block_table` (B, max_blocks). For timing and tests."""
+        batch, last = len(seq_lens), seq_lens - 1
+        blocks = block_table.gather(1, (last // block_size)[:, None])[:, 0]
+        return cls(
+            slot_mapping=blocks * block_size + last % block_size,
+            query_start_loc=list(range(batch + 1)),
+            seq_lens=seq_lens.tolist(),
+            block_table=block_table,
+            seq_lens_tensor=seq_lens,
+            num_decodes=batch,
+            block_size=block_size,
+            request_ids=[str(i) for i in range(batch)],
+        )

@@ -99,18 +99,7 @@ def synthetic_step(kv_cache: torch.Tensor, num_heads: int, batch: int) -> Synthe
     per_seq = -(-CONTEXT // block_size)
     gen = torch.Generator().manual_seed(batch)
     table = torch.randperm(batch * per_seq, generator=gen).view(batch, per_seq)
-    last = CONTEXT - 1
-    lens = torch.full((batch,), CONTEXT)
-    meta = AttentionMetadata(
-        slot_mapping=table[:, last // block_size] * block_size + last % block_size,
-        query_start_loc=list(range(batch + 1)),
-        seq_lens=lens.tolist(),
-        block_table=table,
-        seq_lens_tensor=lens,
-        num_decodes=batch,
-        block_size=block_size,
-        request_ids=[str(i) for i in range(batch)],
-    )
+    meta = AttentionMetadata.for_decodes(table, torch.full((batch,), CONTEXT), block_size)
     q = torch.rand(batch, num_heads, dim, generator=gen).to(kv_cache.dtype)
     k, v = torch.rand(2, batch, kv_heads, dim, generator=gen).to(kv_cache.dtype)
     return SyntheticStep(q, k, v, meta)
