@@ -1,6 +1,6 @@
 """The local cluster's plan: what to run (a validated config), on which ports, with which commands.
 
-deploy/local.py is the command line around it; deploy/processes.py starts and stops the processes.
+deploy/local.py is the command line around it; common/processes.py starts and stops the processes.
 Workers bind 127.0.0.1 on their role's usual ports (8100, 8101, ... and 8200, 8201, ...) where
 those are free, else on ports the OS hands out; the proxy gets `--port` (0: any free one) and
 lists every worker's URL. Workers split the launcher's cores (deploy/cores.py): each gets its
@@ -17,9 +17,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.processes import Child, Supervisor
 from deploy.compose import BASE_PORTS, MODES, PROXY_PORT
 from deploy.cores import CpuPlan, WorkerCpu, plan_cores
-from deploy.processes import Child, Supervisor
 from deploy.tp import check_tensor_parallel, is_cuda, tp_args
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct (built-in)"
@@ -174,10 +174,12 @@ def start_cluster(cfg: LocalConfig, sup: Supervisor, proxy_port: int, log_dir: P
             cpu = plan.workers[name] if plan is not None else None
             events = (pick_port(WORKER_HOST, None, taken), pick_port(WORKER_HOST, None, taken))
             cmd = worker_command(cfg, role, port, cpu, events)
-            sup.start(name, urls[role][-1], cmd, log_dir / f"{name}.log")
+            sup.start(name, cmd, url=urls[role][-1], log_path=log_dir / f"{name}.log")
     host = "127.0.0.1" if cfg.host in ("0.0.0.0", "") else cfg.host  # where clients connect
     cmd = proxy_command(cfg, proxy_port, urls)
-    return sup.start("proxy", f"http://{host}:{proxy_port}", cmd, log_dir / "proxy.log")
+    return sup.start(
+        "proxy", cmd, url=f"http://{host}:{proxy_port}", log_path=log_dir / "proxy.log"
+    )
 
 
 def banner(cfg: LocalConfig, children: list[Child]) -> str:

@@ -10,7 +10,7 @@ share one random internal token (in their environment, not on the command line) 
 each. Each worker publishes its KV events on loopback (two free ports), encrypted with fresh
 CURVE keys that only the proxy's key may subscribe with; the proxy routes by them.
 The launcher prints a banner (every URL, pid and log), waits for the proxy's /ready and then
-stays in the foreground: Ctrl-C or SIGTERM stops every child and exits 0 (deploy/processes.py). A
+stays in the foreground: Ctrl-C or SIGTERM stops every child and exits 0 (common/processes.py). A
 child that exits on its own stops the rest and ends the launcher with status 1 and the tail of
 that child's log. Arguments after `--` go to every worker; `--proxy-args` to the proxy.
 
@@ -40,6 +40,7 @@ import httpx
 import zmq
 
 from common.kv_cache import curve_keys
+from common.processes import STOP_SIGNALS, Child, Supervisor
 from deploy.cluster import (
     DEFAULT_MODEL,
     LocalConfig,
@@ -49,7 +50,6 @@ from deploy.cluster import (
     start_cluster,
 )
 from deploy.compose import MODES, PROXY_PORT
-from deploy.processes import STOP_SIGNALS, Child, Supervisor
 from deploy.tp import add_tp_args
 
 ROOT = Path(__file__).resolve().parent.parent

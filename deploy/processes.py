@@ -1,21 +1,13 @@
-"""The local cluster's child processes: started together, watched, stopped together.
+"""Servers on loopback for tests and benchmarks, and the ports they listen on.
 
-Each child runs in its own session (so its own process group): a Ctrl-C in the terminal reaches
-only the launcher, which then stops the children itself; and stopping a child signals its whole
-group, so nothing it spawned is left behind. Stopping is SIGTERM to every group, a grace period
-(the workers drain), then SIGKILL to the groups still alive. `Supervisor.stop` is idempotent and
-also runs at exit; on Linux each child also gets SIGTERM if the launcher itself dies (SIGKILL
-included), through the kernel's parent-death signal.
-
-`ServerProcess` is one worker or proxy on loopback for tests and benchmarks: started at once,
-`wait_ready` for /health (or /ready), `metric` reads /metrics, `stop`/`restart` by signal.
+`ServerProcess` is one worker or proxy: started at once, `wait_ready` for /health (or /ready),
+`metric` reads /metrics, `stop`/`restart` by signal. `free_port` is the one way the tree picks a
+port for a server it starts later. The supervisor that starts and stops a whole cluster is
+common/processes.py's.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import ctypes
 import os
 import random
 import signal
@@ -23,122 +15,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-@dataclass
-class Child:
-    """One started process: its name in the banner, its URL and its log file."""
-
-    name: str
-    url: str
-    log_path: Path
-    popen: subprocess.Popen = field(repr=False)
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    @property
-    def exit_code(self) -> int | None:
-        return self.popen.poll()
-
-    @property
-    def is_running(self) -> bool:
-        return self.exit_code is None
-
-    def log_tail(self, num_lines: int = 40) -> str:
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-num_lines:])
-
-
-def _parent_death_signal() -> Callable[[], None] | None:
-    """A pre-exec hook that asks Linux to SIGTERM the child when its parent dies."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before fork: no imports after it
-    parent = os.getpid()
-
-    def hook() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return hook
-
-
-class Supervisor:
-    """Starts children, reports the first one that exits, and stops them all."""
-
-    def __init__(self, env: dict[str, str], stop_grace_s: float = 40.0):
-        self.env = env
-        self.stop_grace_s = stop_grace_s
-        self.children: list[Child] = []
-        self._is_forced = False
-        self._pre_exec = _parent_death_signal()
-        atexit.register(self.stop)
-
-    def start(self, name: str, url: str, cmd: list[str], log_path: Path) -> Child:
-        with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
-            popen = subprocess.Popen(
-                cmd,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=self._pre_exec,  # safe: the launcher starts no threads
-            )
-        child = Child(name, url, log_path, popen)
-        self.children.append(child)
-        return child
-
-    def first_exited(self) -> Child | None:
-        return next((c for c in self.children if not c.is_running), None)
-
-    def stop(self) -> None:
-        """SIGTERM every child's group, wait up to the grace period, SIGKILL what is left.
-
-        A second Ctrl-C (or SIGTERM) while waiting skips the rest of the grace period.
-        """
-        running = [c for c in self.children if c.is_running]
-        if not running:
-            return
-        handlers = {sig: signal.signal(sig, self._force) for sig in STOP_SIGNALS}
-        try:
-            for child in running:
-                _signal_group(child, signal.SIGTERM)
-            deadline = time.monotonic() + self.stop_grace_s
-            while any(c.is_running for c in running) and not self._is_forced:
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.1)
-            for child in running:
-                if child.is_running:
-                    print(f"{child.name} did not stop in time: SIGKILL", file=sys.stderr)
-                    _signal_group(child, signal.SIGKILL)
-                    child.popen.wait()
-        finally:
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
-
-    def _force(self, signum: int, frame: object) -> None:
-        self._is_forced = True
-
-
-def _signal_group(child: Child, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(child.pid, sig)  # the child leads its own group (start_new_session)
-
-
-# -- one server on loopback, started and waited for (tests and benchmarks) ---------------------
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,12 +17,12 @@ parent forwards SIGTERM/SIGINT to every child it started (each drains as a singl
 one that came during start-up stops the starting) and exits when all have, killing those still
 running after a grace period; its status is 1 unless every child exited with 0 or of that
 signal. A child that dies is started again on the same sockets (connections queued on its socket
-wait for it), unless children keep dying.
+wait for it), unless children keep dying. Starting, signalling and killing the children, and
+their dying with the parent, are common/processes.py's `Supervisor`'s.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import math
@@ -30,22 +30,19 @@ import os
 import secrets
 import signal
 import socket
-import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from common.cpu import available_cores
+from common.processes import Child, Supervisor
 
 ENV = "PDSERVE_PROXY_PROCESS"
 MAX_RESTARTS = 5  # deaths within RESTART_WINDOW_S that stop the whole proxy (a crash loop)
 RESTART_WINDOW_S = 60.0
 POLL_S = 0.2
 STOP_GRACE_S = 30.0  # after a stop signal: children still running then are killed
-STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
-PR_SET_PDEATHSIG = 1  # prctl(2)
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +117,9 @@ def _private_socket() -> socket.socket:
     return sock
 
 
-class Supervisor:
-    """Starts the children, forwards stop signals, restarts the dead, waits for all.
+class ProxyProcesses:
+    """Starts the children, forwards stop signals, restarts the dead, waits for all; the
+    processes themselves are common/processes.py's `Supervisor`'s.
 
     `secret_env` are environment variables of the children (None: unset there): the command line
     they get (`argv`) holds none. Once a stop signal came, no child is started or started
@@ -143,7 +141,8 @@ class Supervisor:
         self.private = [_private_socket() for _ in range(count)]
         self.siblings = [f"http://127.0.0.1:{s.getsockname()[1]}" for s in self.private]
         self.token = secrets.token_hex(16)
-        self.children: list[subprocess.Popen | None] = [None] * count
+        self.supervisor = Supervisor(stop_grace_s=stop_grace_s)
+        self.children: list[Child | None] = [None] * count
         self.deaths: list[float] = []
         self.stop_signal: int | None = None  # the signal forwarded to the children
         self.stop_deadline = math.inf
@@ -167,18 +166,15 @@ class Supervisor:
                 env[name] = value
         cmd = [sys.executable, "-m", "proxy", *self.argv]
         fds = (public.fileno(), private.fileno())
-        with _stop_signals_held():  # a stop signal must find the child in self.children
-            self.children[index] = subprocess.Popen(
-                cmd, env=env, pass_fds=fds, preexec_fn=_child_setup
-            )
+        self.children[index] = self.supervisor.start(
+            f"proxy process {index}", cmd, env=env, pass_fds=fds
+        )
 
     def stop(self, signum: int, _frame=None) -> None:
         if self.stop_signal is None:
             self.stop_signal = signum
             self.stop_deadline = time.monotonic() + self.stop_grace_s
-        for child in self.children:
-            if child is not None and child.poll() is None:
-                child.send_signal(signum)
+        self.supervisor.signal_all(signum)
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self.stop)
@@ -195,12 +191,12 @@ class Supervisor:
         )
         while True:
             started = [c for c in self.children if c is not None]
-            codes = [c.poll() for c in started]
+            codes = [c.exit_code for c in started]
             if self.stop_signal is not None:
                 if all(code is not None for code in codes):
                     return self._exit_status(codes)
                 if time.monotonic() > self.stop_deadline:
-                    self._kill(started)
+                    self._kill()
             else:
                 for i, code in enumerate(codes):
                     if code is not None:
@@ -214,11 +210,9 @@ class Supervisor:
         clean = (0, -self.stop_signal)
         return 1 if self.failed or any(code not in clean for code in codes) else 0
 
-    def _kill(self, children: list[subprocess.Popen]) -> None:
-        for i, child in enumerate(children):
-            if child.poll() is None:
-                logger.error("proxy process %d did not stop in %gs: killed", i, self.stop_grace_s)
-                child.kill()
+    def _kill(self) -> None:
+        for child in self.supervisor.kill_running():
+            logger.error("%s did not stop in %gs: killed", child.name, self.stop_grace_s)
         self.failed = True
 
     def _restart(self, index: int, code: int) -> None:
@@ -233,26 +227,7 @@ class Supervisor:
         self.start(index, restarted=True)
 
 
-@contextmanager
-def _stop_signals_held():
-    """Stop signals wait (are blocked) inside; one that came is handled on leaving."""
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
-
-
-def _child_setup() -> None:
-    """In the child, before exec: SIGTERM when the parent dies, even by SIGKILL (Linux), so
-    that no child outlives a supervisor that could not forward the signal; and the stop signals
-    the parent held while starting it unblocked (a signal mask survives exec)."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-
-
 def supervise(
     argv: list[str], secret_env: dict[str, str | None], host: str, port: int, count: int
 ) -> int:
-    return Supervisor(argv, host, port, count, secret_env).run()
+    return ProxyProcesses(argv, host, port, count, secret_env).run()

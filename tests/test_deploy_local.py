@@ -349,11 +349,11 @@ time.sleep(600)
 
 
 def test_stop_kills_a_child_that_ignores_sigterm_and_what_it_started(tmp_path):
-    from deploy.processes import Supervisor
+    from common.processes import Supervisor
 
     sup = Supervisor(dict(os.environ), stop_grace_s=1.0)
     log = tmp_path / "stubborn.log"
-    child = sup.start("stubborn", "-", [sys.executable, "-c", STUBBORN], log)
+    child = sup.start("stubborn", [sys.executable, "-c", STUBBORN], log_path=log)
     assert wait_until(lambda: log.read_text().strip().isdigit(), timeout=60)
     pids = [child.pid, int(log.read_text())]
     seen = {pid: proc_stat(pid)[2] for pid in pids}

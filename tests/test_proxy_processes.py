@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy.processes import Supervisor
+from proxy.processes import ProxyProcesses
 from tests.servers import ROOT, ServerProcess, free_port, wait_until
 from tests.stub_worker import StubWorkers
 
@@ -92,7 +92,7 @@ def test_a_sibling_still_starting_is_waited_for_not_refused():
     """The supervisor's private sockets listen before any child runs: an admin change sent on
     to a sibling that has not started serving (or is being started again) queues; refused, it
     would be lost on that process (CI saw `"processes": 1` right after start-up)."""
-    sup = Supervisor(["--port", "0"], "127.0.0.1", 0, 2)
+    sup = ProxyProcesses(["--port", "0"], "127.0.0.1", 0, 2)
     try:
         for url in sup.siblings:
             host, port = url.removeprefix("http://").split(":")
@@ -339,9 +339,9 @@ def test_a_retry_repairs_an_admin_change_a_process_missed(tmp_path, stubs):
 
 STOPPED_WHILE_STARTING = """
 import json, os, signal, sys
-from proxy.processes import Supervisor
+from proxy.processes import ProxyProcesses
 
-class StoppedAfterTheFirst(Supervisor):
+class StoppedAfterTheFirst(ProxyProcesses):
     def start(self, index, restarted=False):
         super().start(index, restarted)
         if index == 0:  # the others are not started yet
@@ -384,9 +384,9 @@ def test_a_child_killed_by_a_signal_is_no_clean_exit(tmp_path, stubs):
 
 ONE_CHILD_HANGS = """
 import json, os, signal, sys
-from proxy.processes import Supervisor
+from proxy.processes import ProxyProcesses
 
-class OneChildHangs(Supervisor):
+class OneChildHangs(ProxyProcesses):
     def stop(self, signum, frame=None):
         os.kill(self.children[0].pid, signal.SIGSTOP)  # the stop signal will not act on it
         super().stop(signum, frame)
