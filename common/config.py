@@ -1,13 +1,15 @@
 """Engine configuration: frozen dataclasses that validate themselves on construction.
 
 `EngineConfig` bundles model, cache and scheduler settings; the servers' CLI parses into it in
-one place. Derived values are properties.
+one place. Derived values are properties. A default is written once, on its dataclass field:
+the CLI reads it from there (`default`). What a worker's role and hardware decide where the
+command line says nothing (its step's token budget, its connector, its port) is `for_role`.
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -228,3 +230,46 @@ class EngineConfig:
                 "which one NIXL agent cannot register (a NIXL agent per rank is not built yet); "
                 "use kv_connector none (colocated serving), or TP > 1 on CPU"
             )
+
+
+def default(cls: type, name: str):
+    """The default of dataclass `cls`'s field `name` (its factory's value for a factory)."""
+    f = next((f for f in fields(cls) if f.name == name), None)
+    assert f is not None, f"{cls.__name__} has no field {name!r}"
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    assert f.default is not MISSING, f"{cls.__name__}.{name} has no default"
+    return f.default
+
+
+# A prefill worker on a CPU gets a small step: there prefill is compute-bound from ~128 tokens a
+# step on (docs/benchmarks.md, "A prefill worker's step"), so a bigger step adds no throughput,
+# only makes the prompts it batches finish together at its end; with 256, prompts that arrive
+# together finish one after another, in arrival order, and the mean TTFT of a burst drops by a
+# third.
+PREFILL_CPU_STEP_TOKENS = 256
+ROLE_PORTS = {"prefill": 8100, "decode": 8200}
+
+
+@dataclass(frozen=True)
+class RoleDefaults:
+    """What a worker's role and hardware decide where its command line says nothing."""
+
+    port: int
+    max_num_batched_tokens: int  # the step's token budget
+    connector: str | None  # None: no KV transfer (colocated serving only)
+    cuda_graph_sizes: tuple[int, ...] | None  # None: chosen (common/engine/decode_graphs.py)
+
+
+def for_role(role: str, device: str, tensor_parallel_size: int) -> RoleDefaults:
+    """A prefill worker on a CPU steps `PREFILL_CPU_STEP_TOKENS`, and captures no CUDA graphs
+    (it decodes one token a request); a CUDA worker at TP > 1 has no connector, since
+    `EngineConfig` refuses NIXL there; everyone else gets the dataclasses' defaults and NIXL."""
+    is_cpu = torch.device(device).type == "cpu"
+    step = default(SchedulerConfig, "max_num_batched_tokens")
+    return RoleDefaults(
+        port=ROLE_PORTS[role],
+        max_num_batched_tokens=PREFILL_CPU_STEP_TOKENS if role == "prefill" and is_cpu else step,
+        connector=None if tensor_parallel_size > 1 and not is_cpu else "nixl",
+        cuda_graph_sizes=() if role == "prefill" else default(ModelConfig, "cuda_graph_sizes"),
+    )

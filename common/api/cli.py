@@ -1,7 +1,9 @@
 """The one place the workers' command line becomes configuration.
 
 `parse_args(role, argv)` returns the engine's `EngineConfig` and the server's `ServerConfig`;
-`--help` explains every flag.
+`--help` explains every flag. Every default is read from its config dataclass's field
+(`common.config.default`), and what the role decides from `common.config.for_role`: a default
+is written once, there, and `--help` shows it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import socket
 
 from common.api.server_config import ServerConfig
 from common.config import (
+    PREFILL_CPU_STEP_TOKENS,
+    ROLE_PORTS,
     CacheConfig,
     CurveServerKeys,
     EngineConfig,
@@ -22,19 +26,13 @@ from common.config import (
     ParallelConfig,
     SchedulerConfig,
     TransferConfig,
+    default,
+    for_role,
 )
 from common.cpu import CpuBudget, parse_cpu_list
 from common.credentials import pick_secret
 from common.kv_cache import curve_keys
 
-DEFAULT_PORTS = {"prefill": 8100, "decode": 8200}
-# A step's token budget where --max-num-batched-tokens is not given. A prefill worker on a CPU
-# gets a small one: there prefill is compute-bound from ~128 tokens a step on (docs/benchmarks.md,
-# "A prefill worker's step"), so a bigger step adds no throughput, only makes the prompts it
-# batches finish together at its end; with 256, prompts that arrive together finish one after
-# another, in arrival order, and the mean TTFT of a burst drops by a third.
-DEFAULT_STEP_TOKENS = 2048
-PREFILL_CPU_STEP_TOKENS = 256
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
@@ -46,6 +44,15 @@ def parse_size(text: str) -> int:
     value, unit, binary = float(m[1]), m[2].upper(), m[3]
     base = 1024 if binary or not unit else 1000
     return int(value * base ** "_KMGT".index(unit or "_"))
+
+
+def format_size(num_bytes: int) -> str:
+    """Bytes as `--help` shows a size: 1073741824 → '1GiB'."""
+    for unit in "TGMK":
+        scale = 1024 ** ("_KMGT".index(unit))
+        if num_bytes % scale == 0:
+            return f"{num_bytes // scale}{unit}iB"
+    return str(num_bytes)
 
 
 def parse_cores(text: str) -> frozenset[int]:
@@ -106,29 +113,34 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
         default=None,
         help="the model id clients send (default: the model folder's name)",
     )
-    add("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
+    add(
+        "--device",
+        default=default(ModelConfig, "device"),
+        choices=["cpu", "cuda"],
+        help="where the model runs (default %(default)s)",
+    )
     add(
         "--dtype",
-        default="auto",
+        default=default(ModelConfig, "dtype"),
         help="auto (bf16 on CUDA and on CPUs with avx512_bf16/amx_bf16, else fp32), "
-        "float32, float16, bfloat16",
+        "float32, float16, bfloat16 (default %(default)s)",
     )
     add(
         "--max-model-len",
         type=int,
-        default=None,
+        default=default(ModelConfig, "max_model_len"),
         help="longest prompt + output in tokens (default: the model's limit)",
     )
     add(
         "--attention-backend",
-        default=None,
+        default=default(ModelConfig, "attention_backend"),
         choices=["torch", "flash"],
         help="force an attention backend (default: flash when it fits, else torch)",
     )
     add(
         "--enforce-eager",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=default(ModelConfig, "enforce_eager"),
         help="run the model in plain PyTorch: no torch.compile, no packed GEMMs, no CUDA graphs "
         "(default: compiled at start-up; inductor's cache in TORCHINDUCTOR_CACHE_DIR keeps "
         "restarts fast)",
@@ -137,7 +149,7 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
         "--cuda-graph-sizes",
         type=int,
         nargs="*",
-        default=() if role == "prefill" else None,  # P decodes one token a request
+        default=None,  # common.config.for_role: none for P, which decodes one token a request
         metavar="N",
         help="decode batch sizes replayed as captured CUDA graphs; a batch runs the smallest size "
         "that holds it (default for a decode or colocated worker on CUDA with the flash backend: "
@@ -145,49 +157,67 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
         "prefill worker: no graphs). On a CPU, sizes given run decodes through the same padded "
         "static buffers, uncaptured: a check, not a speed-up",
     )
-    add("--seed", type=int, default=0, help="seed of the engine's global RNG")
+    add(
+        "--seed",
+        type=int,
+        default=default(ModelConfig, "seed"),
+        help="seed of the engine's global RNG (default %(default)s)",
+    )
     add(
         "--tensor-parallel-size",
         "-tp",
         type=int,
-        default=1,
+        default=default(ParallelConfig, "tensor_parallel_size"),
         help="split the model over N ranks (Megatron-style: heads, MLP columns, vocabulary): "
         "rank 0 is this process, ranks 1..N-1 are processes it starts, one per GPU (cuda:r) or "
         "per share of the CPU budget; on CPU its KV moves to and from workers of any TP size; on "
-        "CUDA no P/D KV transfer at N > 1 yet (default 1)",
+        "CUDA no P/D KV transfer at N > 1 yet (default %(default)s)",
     )
 
 
 def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
     add = p.add_argument_group("KV cache and scheduler").add_argument
-    add("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    add(
+        "--block-size",
+        type=int,
+        default=default(CacheConfig, "block_size"),
+        help="tokens per KV block (default %(default)s)",
+    )
     add(
         "--num-blocks",
         type=int,
-        default=None,
+        default=default(CacheConfig, "num_blocks"),
         help="KV blocks in the pool (wins over --kv-cache-memory)",
     )
+    memory = default(CacheConfig, "kv_cache_memory")
     add(
         "--kv-cache-memory",
         type=parse_size,
-        default=1 << 30,
+        default=memory,
         help="KV cache budget of the worker, all tensor-parallel ranks together, e.g. 2GiB "
-        "(default 1GiB)",
+        f"(default {format_size(memory)})",
     )
+    assert default(CacheConfig, "enable_prefix_caching"), "--no-prefix-caching turns it off"
     add("--no-prefix-caching", action="store_true", help="turn prefix caching off")
-    add("--max-num-seqs", type=int, default=256, help="most requests in one batch")
+    add(
+        "--max-num-seqs",
+        type=int,
+        default=default(SchedulerConfig, "max_num_seqs"),
+        help="most requests in one batch (default %(default)s)",
+    )
+    step_tokens = default(SchedulerConfig, "max_num_batched_tokens")
     add(
         "--max-num-batched-tokens",
         type=int,
-        default=None,
+        default=None,  # common.config.for_role
         help="token budget of one step (prefills are chunked to it); default "
         f"{PREFILL_CPU_STEP_TOKENS} for a prefill worker on CPU (a bigger step there only delays "
-        f"the first prompts of a batch), else {DEFAULT_STEP_TOKENS}",
+        f"the first prompts of a batch), else {step_tokens}",
     )
     add(
         "--arrival-wait-ms",
         type=float,
-        default=10.0,
+        default=default(ServerConfig, "arrival_wait") * 1e3,
         help="an idle engine waits up to this long for requests it has already received "
         "(still being parsed and tokenized) before its next step, so that requests arriving "
         "together start as one batch; 0 turns it off (default %(default)s)",
@@ -196,25 +226,31 @@ def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
 
 def _add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     add = p.add_argument_group("HTTP server").add_argument
-    add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    add("--port", type=int, default=DEFAULT_PORTS[role], help="port (default %(default)s)")
+    add(
+        "--host",
+        default=default(ServerConfig, "host"),
+        help="address to bind (default %(default)s)",
+    )
+    add("--port", type=int, default=ROLE_PORTS[role], help="port (default %(default)s)")
     add(
         "--max-waiting",
         type=int,
-        default=1024,
-        help="answer 429 when this many requests already wait",
+        default=default(ServerConfig, "max_waiting"),
+        help="answer 429 when this many requests already wait (default %(default)s)",
     )
+    body = default(ServerConfig, "max_body_bytes")
     add(
         "--max-body-bytes",
         type=parse_size,
-        default=4 << 20,
-        help="answer 413 above this request body size (default 4MiB)",
+        default=body,
+        help=f"answer 413 above this request body size (default {format_size(body)})",
     )
     add(
         "--drain-timeout",
         type=float,
-        default=30.0,
-        help="on SIGTERM, seconds in-flight requests get to finish before they are aborted",
+        default=default(ServerConfig, "drain_timeout"),
+        help="on SIGTERM, seconds in-flight requests get to finish before they are aborted "
+        "(default %(default)s)",
     )
     add(
         "--internal-token",
@@ -224,14 +260,19 @@ def _add_server_args(p: argparse.ArgumentParser, role: str) -> None:
         "readable by every user of the host: prefer --internal-token-file or the environment",
     )
     add("--internal-token-file", metavar="PATH", help="read --internal-token from this file")
-    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add(
+        "--log-level",
+        default=default(ServerConfig, "log_level"),
+        choices=["debug", "info", "warning", "error"],
+        help="(default %(default)s)",
+    )
 
 
 def _add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
     add = p.add_argument_group("KV transfer").add_argument
     add(
         "--kv-connector",
-        default=None,
+        default=None,  # common.config.for_role
         choices=["nixl", "none"],
         help="how KV moves between prefill and decode workers (default nixl, and none for a "
         "CUDA worker with --tensor-parallel-size > 1, where transfer is not built yet; none: "
@@ -247,22 +288,24 @@ def _add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
     add(
         "--kv-lease-timeout",
         type=float,
-        default=60.0,
+        default=default(TransferConfig, "lease_timeout"),
         help="prefill: seconds a decode worker "
-        "gets to read a request's KV before its blocks are freed",
+        "gets to read a request's KV before its blocks are freed (default %(default)s)",
     )
     add(
         "--kv-load-timeout",
         type=float,
-        default=30.0,
-        help="decode: seconds a KV read may take before it counts as failed",
+        default=default(TransferConfig, "load_timeout"),
+        help="decode: seconds a KV read may take before it counts as failed (default %(default)s)",
     )
     add(
         "--kv-load-failure-policy",
-        default="recompute",
+        default=default(TransferConfig, "failure_policy"),
         choices=["fail", "recompute"],
-        help="decode: when KV does not arrive, fail the request or compute the prompt locally",
+        help="decode: when KV does not arrive, fail the request or compute the prompt locally "
+        "(default %(default)s)",
     )
+    assert not default(TransferConfig, "kv_checksum"), "--kv-checksum turns it on"
     add(
         "--kv-checksum",
         action="store_true",
@@ -293,23 +336,27 @@ def _add_kv_events_args(p: argparse.ArgumentParser) -> None:
         "from a sequence number, e.g. tcp://*:5558, a few at a time under a budget per "
         "subscriber host (default: none)",
     )
-    add("--kv-events-topic", default="", help="topic frame of every message (default: empty)")
+    add(
+        "--kv-events-topic",
+        default=default(KVEventsConfig, "topic"),
+        help="topic frame of every message (default: empty)",
+    )
     add(
         "--kv-events-queue-size",
         type=int,
-        default=100_000,
+        default=default(KVEventsConfig, "max_queue_size"),
         help="event batches waiting to be sent; past it batches are dropped and counted "
-        "(pdserve_kv_events_dropped_total)",
+        "(pdserve_kv_events_dropped_total; default %(default)s)",
     )
     add(
         "--kv-events-hwm",
         type=int,
-        default=1000,
+        default=default(KVEventsConfig, "hwm"),
         metavar="N",
-        help="batches queued per subscriber (ZMQ's send high-water mark); a slower subscriber "
-        "misses batches past it and catches up by replay. CURVE authentication is set by "
-        "environment: PDSERVE_KV_EVENTS_SERVER_SECRET_KEY and PDSERVE_KV_EVENTS_CLIENT_KEYS "
-        "(or their _FILE twins; docs/security.md)",
+        help="batches queued per subscriber (ZMQ's send high-water mark; default %(default)s); a "
+        "slower subscriber misses batches past it and catches up by replay. CURVE "
+        "authentication is set by environment: PDSERVE_KV_EVENTS_SERVER_SECRET_KEY and "
+        "PDSERVE_KV_EVENTS_CLIENT_KEYS (or their _FILE twins; docs/security.md)",
     )
 
 
@@ -349,20 +396,6 @@ def _add_cpu_budget(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _connector(name: str | None, tensor_parallel_size: int, device: str) -> str | None:
-    """--kv-connector, defaulted: nixl, but none for a CUDA worker at TP > 1 (config.py refuses
-    nixl there)."""
-    if name is None:
-        cuda_tp = tensor_parallel_size > 1 and not device.startswith("cpu")
-        name = "none" if cuda_tp else "nixl"
-    return None if name == "none" else name
-
-
-def default_step_tokens(role: str, device: str) -> int:
-    """The step's token budget when --max-num-batched-tokens is not given (see above)."""
-    return PREFILL_CPU_STEP_TOKENS if role == "prefill" and device == "cpu" else DEFAULT_STEP_TOKENS
-
-
 def _internal_token(a: argparse.Namespace) -> str | None:
     """--internal-token or --internal-token-file, else env PDSERVE_INTERNAL_TOKEN."""
     if a.internal_token is None and a.internal_token_file is None:
@@ -373,6 +406,12 @@ def _internal_token(a: argparse.Namespace) -> str | None:
 def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfig]:
     parser = build_parser(role)
     a = parser.parse_args(argv)
+    policy = for_role(role, a.device, a.tensor_parallel_size)
+    connector = policy.connector if a.kv_connector is None else a.kv_connector
+    graph_sizes = policy.cuda_graph_sizes if a.cuda_graph_sizes is None else a.cuda_graph_sizes
+    step_tokens = a.max_num_batched_tokens
+    if step_tokens is None:
+        step_tokens = policy.max_num_batched_tokens
     try:
         engine = EngineConfig(
             model=ModelConfig(
@@ -383,7 +422,7 @@ def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, 
                 attention_backend=a.attention_backend,
                 seed=a.seed,
                 enforce_eager=a.enforce_eager,
-                cuda_graph_sizes=None if a.cuda_graph_sizes is None else tuple(a.cuda_graph_sizes),
+                cuda_graph_sizes=None if graph_sizes is None else tuple(graph_sizes),
             ),
             cache=CacheConfig(
                 block_size=a.block_size,
@@ -392,7 +431,7 @@ def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, 
                 enable_prefix_caching=not a.no_prefix_caching,
             ),
             transfer=TransferConfig(
-                connector=_connector(a.kv_connector, a.tensor_parallel_size, a.device),
+                connector=None if connector == "none" else connector,
                 advertise_host=resolve_kv_host(a.kv_host, a.host),
                 advertise_port=a.port,
                 lease_timeout=a.kv_lease_timeout,
@@ -402,9 +441,7 @@ def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, 
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=a.max_num_seqs,
-                max_num_batched_tokens=default_step_tokens(role, a.device)
-                if a.max_num_batched_tokens is None
-                else a.max_num_batched_tokens,
+                max_num_batched_tokens=step_tokens,
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=a.tensor_parallel_size, pin_ranks=a.cpu_cores is not None
