@@ -1,6 +1,7 @@
-"""The local cluster's plan: what to run (a validated config), on which ports, with which commands.
+"""The one cluster starter: P and D workers and the proxy in front, from a validated config.
 
-deploy/local.py is the command line around it; common/processes.py starts and stops the processes.
+deploy/local.py is the command line around it, benchmarks/cluster.py the benchmarks' way to it;
+common/processes.py starts and stops the processes, and `cluster_env` is their environment.
 Workers bind 127.0.0.1 on their role's usual ports (8100, 8101, ... and 8200, 8201, ...) where
 those are free, else on ports the OS hands out; the proxy gets `--port` (0: any free one) and
 lists every worker's URL. Workers split the launcher's cores (deploy/cores.py): each gets its
@@ -12,14 +13,19 @@ gets N workers' share, one run of cores per rank.
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import zmq
+
+from common.kv_cache import curve_keys
 from common.processes import Child, Supervisor
 from deploy.compose import BASE_PORTS, MODES, PROXY_PORT
 from deploy.cores import CpuPlan, WorkerCpu, plan_cores
+from deploy.processes import ROOT, free_port
 from deploy.tp import check_tensor_parallel, is_cuda, tp_args
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct (built-in)"
@@ -52,8 +58,12 @@ class LocalConfig:
     is_exit_after_ask: bool = False
     ready_timeout_s: float = 600.0
     worker_args: tuple[str, ...] = ()
+    prefill_args: tuple[str, ...] = ()  # after worker_args, to the prefill workers only
+    decode_args: tuple[str, ...] = ()  # and to the decode workers only
     proxy_args: tuple[str, ...] = ()
     is_cpu_split: bool = True  # each worker gets its own cores (deploy/cores.py)
+    cores: tuple[int, ...] | None = None  # the cores split among the workers; None: all we have
+    is_kv_events: bool = True  # workers publish KV events on loopback, the proxy routes by them
 
     def __post_init__(self) -> None:
         if self.num_decode < 1 or self.num_prefill < 0:
@@ -71,13 +81,14 @@ class LocalConfig:
             raise ValueError("--exit needs --ask")
         if self.question is not None and not self.is_waiting:
             raise ValueError("--ask needs the cluster ready: drop --no-wait")
-        if any(names_flag(arg, LAUNCHER_FLAGS) for arg in self.worker_args):
+        all_args = (*self.worker_args, *self.prefill_args, *self.decode_args)
+        if any(names_flag(arg, LAUNCHER_FLAGS) for arg in all_args):
             raise ValueError(
                 "the launcher sets the workers' --port, --internal-token and "
                 "--tensor-parallel-size (--prefill-tp N, --decode-tp N); the token goes in their "
                 "environment, so --internal-token-file is refused too"
             )
-        if self.is_cpu_split and any(names_flag(arg, CPU_FLAGS) for arg in self.worker_args):
+        if self.is_cpu_split and any(names_flag(arg, CPU_FLAGS) for arg in all_args):
             raise ValueError(
                 "the launcher splits the cores among the workers (--cpu-cores, --cpu-threads); "
                 "to give every worker your own, add --no-cpu-split"
@@ -86,6 +97,10 @@ class LocalConfig:
     @property
     def tp(self) -> dict[str, int]:
         return {"prefill": self.prefill_tp, "decode": self.decode_tp}
+
+    def role_args(self, role: str) -> tuple[str, ...]:
+        """Every worker's arguments, then the role's own."""
+        return (*self.worker_args, *(self.prefill_args if role == "prefill" else self.decode_args))
 
     @property
     def model_name(self) -> str:
@@ -96,7 +111,7 @@ class LocalConfig:
         """The launcher's cores split among the workers; None with --no-cpu-split."""
         if not self.is_cpu_split:
             return None
-        cores = sorted(os.sched_getaffinity(0))
+        cores = sorted(self.cores or os.sched_getaffinity(0))
         return plan_cores(self.num_prefill, self.num_decode, cores, self.prefill_tp, self.decode_tp)
 
 
@@ -120,14 +135,34 @@ def is_port_free(host: str, port: int) -> bool:
 
 
 def pick_port(host: str, preferred: int | None, taken: set[int]) -> int:
-    """`preferred` when it is free, else a port the OS hands out; never one in `taken`."""
+    """`preferred` when it is free, else `free_port`'s pick; never one in `taken`."""
     port = preferred
     while port is None or port in taken or not is_port_free(host, port):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
+        port = free_port()
     taken.add(port)
     return port
+
+
+def kv_events_keys() -> dict[str, str]:
+    """Fresh CURVE keys for the KV events (common/kv_cache/curve_keys.py): the workers' pair and
+    the proxy's, every child reading its own from the shared environment."""
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    return {
+        curve_keys.SERVER_SECRET_KEY: server_secret.decode(),
+        curve_keys.CLIENT_KEYS: client_public.decode(),
+        curve_keys.SERVER_KEY: server_public.decode(),
+        curve_keys.CLIENT_SECRET_KEY: client_secret.decode(),
+    }
+
+
+def cluster_env() -> dict[str, str]:
+    """The children's environment: this one, plus one random internal token (there, not on
+    their command lines), the repository on PYTHONPATH, and fresh KV events keys."""
+    env = dict(os.environ, PDSERVE_INTERNAL_TOKEN=secrets.token_hex(32), PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.update(kv_events_keys())
+    return env
 
 
 def worker_command(
@@ -143,13 +178,13 @@ def worker_command(
     if cfg.model:
         cmd += ["--model", str(Path(cfg.model).resolve())]
     cmd += tp_args(cfg.tp[role])
-    own = any(arg.startswith("--kv-events-endpoint") for arg in cfg.worker_args)
+    own = any(arg.startswith("--kv-events-endpoint") for arg in cfg.role_args(role))
     if events is not None and not own:
         cmd += ["--kv-events-endpoint", f"tcp://*:{events[0]}"]
         cmd += ["--kv-events-replay-endpoint", f"tcp://*:{events[1]}"]
     if cpu is not None:
         cmd += cpu.worker_args()
-    return cmd + list(cfg.worker_args)
+    return cmd + list(cfg.role_args(role))
 
 
 def proxy_command(cfg: LocalConfig, port: int, urls: dict[str, list[str]]) -> list[str]:
@@ -161,25 +196,43 @@ def proxy_command(cfg: LocalConfig, port: int, urls: dict[str, list[str]]) -> li
     return cmd + list(cfg.proxy_args)
 
 
-def start_cluster(cfg: LocalConfig, sup: Supervisor, proxy_port: int, log_dir: Path) -> Child:
-    """Start the workers, then the proxy in front of them; returns the proxy."""
+@dataclass
+class Cluster:
+    """A started cluster: its workers by role, and the proxy in front of them."""
+
+    proxy: Child
+    workers: dict[str, list[Child]]
+
+    @property
+    def children(self) -> list[Child]:
+        """The proxy first, then every worker."""
+        return [self.proxy, *(c for role in self.workers.values() for c in role)]
+
+    def urls(self, role: str) -> list[str]:
+        return [c.url for c in self.workers[role]]
+
+
+def start_cluster(cfg: LocalConfig, sup: Supervisor, proxy_port: int, log_dir: Path) -> Cluster:
+    """Start the workers, then the proxy in front of them; nothing is waited for."""
     taken = {proxy_port}
     plan = cfg.cpu_plan
-    urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+    workers: dict[str, list[Child]] = {"prefill": [], "decode": []}
     for role, count in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode)):
         for i in range(count):
             port = pick_port(WORKER_HOST, BASE_PORTS[role] + i, taken)
-            urls[role].append(f"http://{WORKER_HOST}:{port}")
             name = f"{role}-{i}"
             cpu = plan.workers[name] if plan is not None else None
-            events = (pick_port(WORKER_HOST, None, taken), pick_port(WORKER_HOST, None, taken))
+            events = None
+            if cfg.is_kv_events:
+                events = (pick_port(WORKER_HOST, None, taken), pick_port(WORKER_HOST, None, taken))
             cmd = worker_command(cfg, role, port, cpu, events)
-            sup.start(name, cmd, url=urls[role][-1], log_path=log_dir / f"{name}.log")
+            url = f"http://{WORKER_HOST}:{port}"
+            workers[role].append(sup.start(name, cmd, url=url, log_path=log_dir / f"{name}.log"))
     host = "127.0.0.1" if cfg.host in ("0.0.0.0", "") else cfg.host  # where clients connect
+    urls = {role: [c.url for c in children] for role, children in workers.items()}
     cmd = proxy_command(cfg, proxy_port, urls)
-    return sup.start(
-        "proxy", cmd, url=f"http://{host}:{proxy_port}", log_path=log_dir / "proxy.log"
-    )
+    url = f"http://{host}:{proxy_port}"
+    return Cluster(sup.start("proxy", cmd, url=url, log_path=log_dir / "proxy.log"), workers)
 
 
 def banner(cfg: LocalConfig, children: list[Child]) -> str:

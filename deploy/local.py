@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import secrets
 import shlex
 import signal
 import sys
@@ -37,14 +35,13 @@ import time
 from pathlib import Path
 
 import httpx
-import zmq
 
-from common.kv_cache import curve_keys
 from common.processes import STOP_SIGNALS, Child, Supervisor
 from deploy.cluster import (
     DEFAULT_MODEL,
     LocalConfig,
     banner,
+    cluster_env,
     is_port_free,
     pick_port,
     start_cluster,
@@ -52,7 +49,6 @@ from deploy.cluster import (
 from deploy.compose import MODES, PROXY_PORT
 from deploy.tp import add_tp_args
 
-ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_QUESTION = "Why is the sky blue?"
 ASK_MAX_TOKENS = 128
 
@@ -105,19 +101,6 @@ class Progress:
     def _write(self, text: str) -> None:
         sys.stderr.write(text)
         sys.stderr.flush()
-
-
-def kv_events_keys() -> dict[str, str]:
-    """Fresh CURVE keys for the KV events (common/kv_cache/curve_keys.py): the workers' pair and
-    the proxy's, every child reading its own from the shared environment."""
-    server_public, server_secret = zmq.curve_keypair()
-    client_public, client_secret = zmq.curve_keypair()
-    return {
-        curve_keys.SERVER_SECRET_KEY: server_secret.decode(),
-        curve_keys.CLIENT_KEYS: client_public.decode(),
-        curve_keys.SERVER_KEY: server_public.decode(),
-        curve_keys.CLIENT_SECRET_KEY: client_secret.decode(),
-    }
 
 
 def is_ready(url: str) -> bool:
@@ -221,16 +204,13 @@ def run(cfg: LocalConfig) -> int:
     proxy_port = cfg.port or pick_port(cfg.host, None, set())
     log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="pdserve-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PDSERVE_INTERNAL_TOKEN=secrets.token_hex(32), PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env.update(kv_events_keys())
     for sig in STOP_SIGNALS:
         signal.signal(sig, _raise_stopped)
-    sup = Supervisor(env)
+    sup = Supervisor(cluster_env())
     try:
-        proxy = start_cluster(cfg, sup, proxy_port, log_dir)
-        print(banner(cfg, [proxy, *(c for c in sup.children if c is not proxy)]))
-        serve(cfg, sup, proxy)
+        cluster = start_cluster(cfg, sup, proxy_port, log_dir)
+        print(banner(cfg, cluster.children))
+        serve(cfg, sup, cluster.proxy)
         return 0
     except Stopped as e:
         print(f"\n{e}: stopping the cluster", file=sys.stderr)

@@ -94,14 +94,7 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def metric(self, name: str, default: float | None = None) -> float:
-        """A sample from /metrics: `name` or `name{label="value",...}` as exposed."""
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
-        for line in text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.rsplit(" ", 1)[1])
-        if default is not None:
-            return default
-        raise KeyError(name)
+        return metric(self.url, name, default)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
@@ -114,6 +107,17 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def metric(url: str, name: str, default: float | None = None) -> float:
+    """A sample from the server's /metrics: `name` or `name{label="value",...}` as exposed."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    if default is not None:
+        return default
+    raise KeyError(name)
 
 
 def wait_until(predicate, timeout: float = 15.0, interval: float = 0.1) -> bool:

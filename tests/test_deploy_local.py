@@ -370,8 +370,7 @@ def metric_lines(url: str, prefix: str) -> int:
 
 
 def test_workers_get_kv_events_on_loopback_with_curve_keys():
-    from deploy.cluster import LocalConfig, worker_command
-    from deploy.local import kv_events_keys
+    from deploy.cluster import LocalConfig, kv_events_keys, worker_command
 
     cmd = worker_command(LocalConfig(), "decode", 8200, None, (5001, 5002))
     assert cmd[cmd.index("--kv-events-endpoint") + 1] == "tcp://*:5001"
