@@ -4,7 +4,7 @@ params, a D that streams 16 chunks), loaded by `wrk` (C, so the load generator c
 
 For each target and concurrency: requests/s, p50 and p99 latency of a streamed completion, and
 errors; "direct D" is the floor (the client streams from the D stub itself, no proxy). Both
-proxies route round robin. The router is installed by this script into its own virtualenv.
+proxies route round robin. The router is installed into its own virtualenv (benchmarks/vllm_cpu.py).
 
     .venv/bin/python benchmarks/bench_proxy.py [--duration 5] [--repeats 3] [--concurrency 1 32]
         [--proxy-workers 1 2] [--http-clients lean httpx]
@@ -17,32 +17,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import httpx
+if __package__ in (None, ""):  # run as a script: python benchmarks/bench_proxy.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-ROOT = Path(__file__).resolve().parent.parent
-ROUTER_VENV = Path.home() / ".cache" / "pdserve" / "bench" / "vllm-router-venv"
+import httpx  # noqa: E402
+
+from benchmarks.cluster import ROOT, Bench, free_port  # noqa: E402
+from benchmarks.vllm_cpu import ensure_router  # noqa: E402
+
 BODY = {"model": "stub", "prompt": "hello world", "max_tokens": 16, "stream": True}
 _LUA = """wrk.method = "POST"
 wrk.body = '{body}'
 wrk.headers["Content-Type"] = "application/json"
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_wrk() -> str:
@@ -55,49 +49,10 @@ def ensure_wrk() -> str:
     return path
 
 
-def ensure_router(version: str) -> Path:
-    exe = ROUTER_VENV / "bin" / "vllm-router"
-    if not exe.exists():
-        print(f"installing vllm-router=={version} into {ROUTER_VENV} ...", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(ROUTER_VENV)], check=True)
-        pip = [str(ROUTER_VENV / "bin" / "python"), "-m", "pip", "install", "-q"]
-        subprocess.run([*pip, f"vllm-router=={version}"], check=True, stderr=subprocess.DEVNULL)
-    return exe
-
-
-class Processes:
-    """Children in their own sessions, all stopped on exit."""
-
-    def __init__(self, log_dir: Path):
-        self.log_dir = log_dir
-        self.procs: list[subprocess.Popen] = []
-        self.names: list[str] = []
-
-    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> None:
-        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 — lives with the child
-        env = dict(os.environ if env is None else env, PYTHONPATH=str(ROOT))
-        self.procs.append(
-            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log, start_new_session=True)
-        )
-        self.names.append(name)
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-
-
-def wait_serving(url: str, procs: Processes, timeout: float = 60.0) -> None:
+def wait_serving(url: str, bench: Bench, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        dead = [p for p in procs.procs if p.poll() is not None]
-        if dead:
-            sys.exit(f"a child exited ({dead[0].args[:3]}...); logs in {procs.log_dir}")
+        bench.check_alive()
         try:
             if httpx.post(url, json=BODY, timeout=2).status_code == 200:
                 return
@@ -156,34 +111,33 @@ def main() -> None:
     wrk, router = ensure_wrk(), ensure_router(a.router_version)
     ports = {name: free_port() for name in ("prefill", "decode", "router", "metrics")}
     p_url, d_url = (f"http://127.0.0.1:{ports[r]}" for r in ("prefill", "decode"))
-    log_dir = Path(tempfile.mkdtemp(prefix="bench_proxy_"))
-    script = log_dir / "post.lua"
+    bench = Bench("bench_proxy")
+    script = bench.log_dir / "post.lua"
     script.write_text(_LUA.format(body=json.dumps(BODY)))
-    procs = Processes(log_dir)
     stub = [sys.executable, str(ROOT / "benchmarks" / "proxy_stubs.py")]
-    procs.start("stub_prefill", [*stub, "prefill", "--port", str(ports["prefill"])])
-    procs.start("stub_decode", [*stub, "decode", "--port", str(ports["decode"])])
+    bench.start("stub_prefill", [*stub, "prefill", "--port", str(ports["prefill"])])
+    bench.start("stub_decode", [*stub, "decode", "--port", str(ports["decode"])])
     targets = {"direct D (floor)": f"{d_url}/v1/completions"}
     for n in a.proxy_workers:
         for client in a.http_clients:
             name, port = f"pdserve ×{n} {client}", free_port()
-            procs.start(name, [
+            bench.start(name, [
                 sys.executable, "-m", "proxy", "--prefill", p_url, "--decode", d_url,
                 "--port", str(port), "--log-level", "warning", "--workers", str(n),
                 "--http-client", client,
                 "--prefill-policy", "round_robin", "--decode-policy", "round_robin",
             ])  # fmt: skip
             targets[name] = f"http://127.0.0.1:{port}/v1/completions"
-    procs.start("router", [
+    bench.start("router", [
         str(router), "--vllm-pd-disaggregation", "--prefill", p_url, "--decode", d_url,
         "--port", str(ports["router"]), "--policy", "round_robin", "--log-level", "warning",
         "--prometheus-port", str(ports["metrics"]),
     ])  # fmt: skip
     targets["vllm-router"] = f"http://127.0.0.1:{ports['router']}/v1/completions"
     results: dict[str, dict[int, dict]] = {}
-    try:
+    with bench:
         for url in targets.values():
-            wait_serving(url, procs)
+            wait_serving(url, bench)
         for url in targets.values():
             run_wrk(wrk, url, 4, 1.0, script)  # warm-up: connections, caches
         runs: dict[tuple[str, int], list[dict]] = {}
@@ -193,8 +147,6 @@ def main() -> None:
                     runs.setdefault((name, c), []).append(run_wrk(wrk, url, c, a.duration, script))
         for (name, c), rows in runs.items():
             results.setdefault(name, {})[c] = _median(rows)
-    finally:
-        procs.stop()
     report(results, a.concurrency, a.duration, a.repeats)
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))

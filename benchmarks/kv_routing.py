@@ -2,7 +2,8 @@
 
 Two prefill workers and one decode worker (the built-in SmolLM2-135M-Instruct unless --model,
 fp32, one torch thread each, not pinned: the three share this box's cores), each publishing its
-KV events, and four proxies in front of the same three workers:
+KV events (deploy/cluster.py's cluster, benchmarks/cluster.py), and four proxies in front of the
+same three workers:
 
     round_robin   --prefill-policy round_robin --no-kv-routing: no events, no render
     kv_aware      --prefill-policy prefix: by the blocks each P holds, per its KV events
@@ -35,19 +36,16 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
 import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import httpx
 
-from benchmarks.bench_proxy import ROOT, Processes, free_port
-from benchmarks.pd_vs_colocated import check_alive, wait_ok
-from benchmarks.serve import benchmark
+from benchmarks.cluster import ROOT, Bench, LocalConfig
+from benchmarks.serving.benchmark import benchmark
 from benchmarks.serving.config import BenchConfig
 from benchmarks.serving.datasets import SampleRequest
 from benchmarks.serving.runner import LoadConfig
@@ -85,34 +83,27 @@ class Study:
             raise ValueError("--groups, --per-group, --concurrency and --rounds must be >= 1")
 
 
-def start_cluster(procs: Processes, study: Study) -> tuple[dict[str, str], str]:
+def start_cluster(bench: Bench, study: Study) -> tuple[dict[str, str], str]:
     """P1, P2, D and one proxy per policy; the proxies' URLs, and D's (it renders)."""
-    model = ["--model", study.model] if study.model else []
-    url = {}
-    for name, role in (("prefill1", "prefill"), ("prefill2", "prefill"), ("decode", "decode")):
-        port = free_port()
-        url[name] = f"http://127.0.0.1:{port}"
-        flags = ["--num-blocks", str(study.prefill_blocks)] if role == "prefill" else []
-        procs.start(name, [
-            "env", "OMP_NUM_THREADS=1", sys.executable, "-m", f"{role}_server", "--port",
-            str(port), *model, "--block-size", str(study.block_size), "--max-model-len", "2048",
-            "--kv-events-endpoint", f"tcp://*:{free_port()}",
-            "--kv-events-replay-endpoint", f"tcp://*:{free_port()}", "--log-level", "warning",
-            *flags,
-        ])  # fmt: skip
-    proxies = {}
-    for policy, flags in POLICIES.items():
-        port = free_port()
-        proxies[policy] = f"http://127.0.0.1:{port}"
-        procs.start(f"proxy_{policy}", [
-            sys.executable, "-m", "proxy", "--prefill", url["prefill1"], "--prefill",
-            url["prefill2"], "--decode", url["decode"], "--port", str(port),
-            "--cached-on-decode-tokens", "0", "--log-level", "warning", *flags,
-        ])  # fmt: skip
-    for name in ("prefill1", "prefill2", "decode"):
-        wait_ok(f"{url[name]}/health", procs)
+    cfg = LocalConfig(
+        num_prefill=2,
+        model=study.model,
+        is_cpu_split=False,  # one thread each, not pinned: the three share the box
+        worker_args=("--cpu-threads", "1", "--block-size", str(study.block_size),
+                     "--max-model-len", "2048", "--log-level", "warning"),
+        prefill_args=("--num-blocks", str(study.prefill_blocks)),
+    )  # fmt: skip
+    first, *others = POLICIES
+    common = ["--cached-on-decode-tokens", "0", "--log-level", "warning"]
+    cluster = bench.cluster(replace(cfg, proxy_args=(*common, *POLICIES[first])))
+    proxies = {first: cluster.proxy.url}
+    for policy in others:
+        proxies[policy] = bench.proxy(
+            f"proxy_{policy}", cluster, cfg, [*common, *POLICIES[policy]]
+        ).url
+    bench.wait_ready(cluster)
     for proxy in proxies.values():
-        wait_ok(f"{proxy}/ready", procs)
+        bench.wait_ok(f"{proxy}/ready")
     indexed = 'pdserve_proxy_kv_index_blocks{role="prefill"'
     deadline = time.monotonic() + 30
     for policy in KV_AWARE:
@@ -120,7 +111,7 @@ def start_cluster(procs: Processes, study: Study) -> tuple[dict[str, str], str]:
             if time.monotonic() > deadline:
                 sys.exit(f"the {policy} proxy did not subscribe to both prefill workers' events")
             time.sleep(0.2)
-    return proxies, url["decode"]
+    return proxies, cluster.urls("decode")[0]
 
 
 def words(rng: random.Random, num: int) -> str:
@@ -212,12 +203,12 @@ def run_phase(study: Study, policy: str, url: str, samples, ideal: int) -> dict:
     }
 
 
-def study_run(study: Study, proxies: dict[str, str], render_url: str, procs) -> list[dict]:
+def study_run(study: Study, proxies: dict[str, str], render_url: str, bench: Bench) -> list[dict]:
     phases = []
     for r in range(study.rounds):
         order = list(POLICIES) if r % 2 == 0 else list(POLICIES)[::-1]
         for i, policy in enumerate(order):
-            check_alive(procs)
+            bench.check_alive()
             seed = study.seed + 100 * r + i
             samples, ideal = workload(study, seed, render_url)
             load = os.getloadavg()[0]
@@ -296,14 +287,10 @@ def parse_args() -> Study:
 
 def main() -> None:
     study = parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the children on SIGTERM too
     started = time.monotonic()
-    procs = Processes(Path(tempfile.mkdtemp(prefix="kv_routing_")))
-    try:
-        proxies, render_url = start_cluster(procs, study)
-        phases = study_run(study, proxies, render_url, procs)
-    finally:
-        procs.stop()
+    with Bench("kv_routing") as bench:
+        proxies, render_url = start_cluster(bench, study)
+        phases = study_run(study, proxies, render_url, bench)
     report(study, phases, started)
 
 

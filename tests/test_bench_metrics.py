@@ -135,14 +135,3 @@ running 3
     assert d["lat_count"] == 3 and d["lat_sum"] == 0
     assert "running" not in d and not any("created" in k for k in d)
     assert after.values["running"] == 3
-
-
-def test_itl_by_position_separates_the_hand_off_gap():
-    from benchmarks.itl_by_position import summarize
-
-    # 20 requests: a 100 ms first gap (the P→D hand-off), then 30 gaps of 10 ms
-    lines = summarize([[0.1] + [0.01] * 30 for _ in range(20)])
-    assert lines[2] == "| 1 | 20 | 100.0 | 100.0 |"
-    assert lines[3] == "| 2 | 20 | 10.0 | 10.0 |"
-    assert lines[-2] == "ITL p99, every gap: 100.0 ms"  # 20 of 620 samples: above the 99th
-    assert lines[-1] == "ITL p99, without the first gap: 10.0 ms"

@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,9 +25,10 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.bench_proxy import free_port
 from benchmarks.vllm_cpu import ensure_nixl, ensure_vllm, server_command
 from common.model.default_model import default_model_dir
+from common.processes import Supervisor
+from deploy.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [
@@ -41,35 +40,17 @@ PROMPTS = [
 MAX_TOKENS = 24
 
 
-def start_vllm(stack, python: Path, model: Path, role: str, port: int, side: int, logs: Path):
+def start_vllm(sup: Supervisor, python: Path, model: Path, role: str, port: int, side: int,
+               logs: Path) -> None:  # fmt: skip
     cores = "0" if role == "kv_producer" else "1"
     cmd, env = server_command(python, model, port, cores, role, side, enforce_eager=True)
-    return _spawn(stack, cmd, env, logs / f"vllm-{role}.log")
+    sup.start(f"vLLM {role}", cmd, log_path=logs / f"vllm-{role}.log", env=env, cwd=ROOT)
 
 
-def _spawn(stack, cmd, env, log_path: Path):
-    log = stack.enter_context(log_path.open("w"))
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                            start_new_session=True)  # fmt: skip
-    stack.callback(_stop, proc)
-    return proc
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def wait_ready(url: str, path: str, procs, deadline: float) -> None:
+def wait_ready(url: str, path: str, sup: Supervisor, deadline: float) -> None:
     while time.monotonic() < deadline:
-        for proc in procs:
-            if proc.poll() is not None:
-                raise RuntimeError(f"a process exited ({proc.returncode}) before {url} was ready")
+        if (child := sup.first_exited()) is not None:
+            raise RuntimeError(f"{child.name} exited ({child.exit_code}) before {url} was ready")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
                 return
@@ -101,19 +82,18 @@ def run(log_dir: Path, timeout: float) -> int:
     ports = {name: free_port() for name in ("prefill", "decode", "proxy", "p_side", "d_side")}
     urls = {name: f"http://127.0.0.1:{ports[name]}" for name in ("prefill", "decode", "proxy")}
     deadline = time.monotonic() + timeout
-    with contextlib.ExitStack() as stack:
-        p = start_vllm(stack, python, model, "kv_producer", ports["prefill"], ports["p_side"],
-                       log_dir)  # fmt: skip
-        d = start_vllm(stack, python, model, "kv_consumer", ports["decode"], ports["d_side"],
-                       log_dir)  # fmt: skip
+    sup = Supervisor(stop_grace_s=30.0)
+    try:
+        start_vllm(sup, python, model, "kv_producer", ports["prefill"], ports["p_side"], log_dir)
+        start_vllm(sup, python, model, "kv_consumer", ports["decode"], ports["d_side"], log_dir)
         for role in ("prefill", "decode"):
-            wait_ready(urls[role], "/health", [p, d], deadline)
+            wait_ready(urls[role], "/health", sup, deadline)
         print(f"vLLM P {urls['prefill']} and D {urls['decode']} are up", flush=True)
         proxy_cmd = [sys.executable, "-m", "proxy", "--host", "127.0.0.1"]
         proxy_cmd += ["--port", str(ports["proxy"]), "--mode", "pull"]
         proxy_cmd += ["--prefill", urls["prefill"], "--decode", urls["decode"]]
-        proxy = _spawn(stack, proxy_cmd, dict(os.environ), log_dir / "proxy.log")
-        wait_ready(urls["proxy"], "/ready", [p, d, proxy], deadline)
+        sup.start("proxy", proxy_cmd, log_path=log_dir / "proxy.log", cwd=ROOT)
+        wait_ready(urls["proxy"], "/ready", sup, deadline)
         failures = []
         for prompt in PROMPTS:
             colocated = ask(urls["decode"], prompt, stream=False)
@@ -125,6 +105,8 @@ def run(log_dir: Path, timeout: float) -> int:
                     print(f"    colocated: {colocated!r}")
                 if not ok:
                     failures.append((prompt, stream, got, colocated))
+    finally:
+        sup.stop()
     d_log = (log_dir / "vllm-kv_consumer.log").read_text(errors="replace")
     transfers = transfer_lines(d_log)
     print(f"decode server: {transfers}")
