@@ -14,12 +14,14 @@ from tests.chaos.faults import freeze, frozen, is_alive, restart, thaw
 from tests.servers import ServerProcess, wait_until
 
 WORKER = ["--num-blocks", "96", "--max-model-len", "512", "--no-prefix-caching"]
-P_WORKER = ["--kv-lease-timeout", "5"]
-# D gives up a read within the proxy's 4 s patience; its push reservations last 5 s
-D_WORKER = ["--kv-load-timeout", "2", "--kv-lease-timeout", "5"]
+# Timeouts as short as their order allows, since tests wait for them to fire: D gives up a
+# read (1.5 s) within the proxy's patience (3 s), and P's leases and D's push reservations
+# (3.5 s) outlast that patience. Shorter, a busy moment of two shared cores would fire them.
+P_WORKER = ["--kv-lease-timeout", "3.5"]
+D_WORKER = ["--kv-load-timeout", "1.5", "--kv-lease-timeout", "3.5"]
 PROXY = [
     "--health-interval", "0.3", "--health-timeout", "0.5", "--health-failures", "2",
-    "--connect-timeout", "1", "--prefill-timeout", "4", "--decode-timeout", "4",
+    "--connect-timeout", "1", "--prefill-timeout", "3", "--decode-timeout", "3",
 ]  # fmt: skip
 
 
@@ -92,6 +94,6 @@ class Cluster:
 def start_proxy(start_server, p: ServerProcess, d: ServerProcess, *args: str) -> Cluster:
     """A proxy over P and D (module-scoped, by the suite's `start_server`) that checks its
     workers every 0.3 s, ejects one after two failed checks (a second or so: a request sent
-    just before a fault still reaches its workers) and waits at most 4 s for a silent one."""
+    just before a fault still reaches its workers) and waits at most 3 s for a silent one."""
     proxy = start_server("proxy", "--prefill", p.url, "--decode", d.url, *PROXY, *args)
     return Cluster(p, d, proxy)

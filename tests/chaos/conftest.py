@@ -13,15 +13,16 @@ from tests.servers import ServerProcess
 
 @pytest.fixture(scope="package")
 def start_worker(tiny_model, tmp_path_factory):
-    """start_worker(role, *args) → a ready worker on the tiny model, stopped at package end
-    (the package's tests share workers: each start costs seconds of two shared cores)."""
+    """start_worker(role, *args) → a worker on the tiny model, started, not yet waited for
+    (`wait_ready`: start those a fixture needs together), stopped at package end (the
+    package's tests share workers: each start costs seconds of two shared cores)."""
     started: list[ServerProcess] = []
 
     def start(role: str, *args: str) -> ServerProcess:
         log = tmp_path_factory.mktemp("chaos-logs") / f"{role}.log"
         server = ServerProcess(role, ["--model", str(tiny_model("llama")), *WORKER, *args], log)
         started.append(server)
-        return server.wait_ready()
+        return server
 
     yield start
     for server in started:
@@ -31,4 +32,5 @@ def start_worker(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="package")
 def workers(start_worker) -> tuple[ServerProcess, ServerProcess]:
     """P and D, shared by every module: a test that breaks one heals it."""
-    return start_worker("prefill", *P_WORKER), start_worker("decode", *D_WORKER)
+    p, d = start_worker("prefill", *P_WORKER), start_worker("decode", *D_WORKER)
+    return p.wait_ready(), d.wait_ready()

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.chaos.client import HANG_GUARD, Background, assert_clear, body, complete, stream
-from tests.chaos.cluster import Cluster, start_proxy
+from tests.chaos.cluster import P_WORKER, Cluster, start_proxy
 from tests.chaos.faults import freeze, frozen, kill, restart, thaw
 from tests.servers import wait_until
 
@@ -38,9 +38,9 @@ def pause(cluster: Cluster, server, seconds: float) -> None:
 FAULTS = [
     lambda c: bounce(c, c.p),
     lambda c: pause(c, c.d, 1.0),  # shorter than the proxy's patience
-    lambda c: pause(c, c.p, 5.0),  # longer than the prefill timeout
+    lambda c: pause(c, c.p, 3.5),  # longer than the prefill timeout
     lambda c: bounce(c, c.d),
-    lambda c: pause(c, c.d, 5.0),  # longer than the decode timeout
+    lambda c: pause(c, c.d, 3.5),  # longer than the decode timeout
     lambda c: (kill(c.p), bounce(c, c.d), restart(c.p), c.wait_health(c.p, True)),
 ]
 
@@ -86,7 +86,7 @@ def test_prefill_frozen_past_its_timeout_leaves_an_unread_lease(start_server, wo
     p, proxy = cluster.p, cluster.proxy
     prompt = list(range(5, 400))
     ref = cluster.reference(prompt)
-    with frozen(p):  # the proxy gives up on P after 4 s and asks D alone
+    with frozen(p):  # the proxy gives up on P after 3 s and asks D alone
         out = complete(proxy.url, body(prompt))
         assert out.is_ok and out.token_ids == ref, out
         assert cluster.routed("colocated", "prefill_failed") == 1
@@ -98,7 +98,7 @@ def test_prefill_frozen_past_its_timeout_leaves_an_unread_lease(start_server, wo
 @pytest.fixture(scope="module")
 def chunked(start_server, start_worker, workers) -> Cluster:
     """A P that prefills 16 tokens a step: a long prompt's push spans many steps."""
-    p = start_worker("prefill", "--max-num-batched-tokens", "16", "--kv-lease-timeout", "5")
+    p = start_worker("prefill", "--max-num-batched-tokens", "16", *P_WORKER).wait_ready()
     return start_proxy(start_server, p, workers[1], "--mode", "push")
 
 

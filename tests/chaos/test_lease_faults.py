@@ -19,7 +19,9 @@ OTHER = list(range(300, 400))  # takes P's freed blocks (and more)
 def clusters(start_server, start_worker, workers):
     p = start_worker("prefill", "--kv-lease-timeout", "1")
     d_fail = start_worker("decode", *D_WORKER, "--kv-load-failure-policy", "fail")
-    patient = ["--decode-timeout", "15"]  # D stays frozen longer than the proxy's 4 s default
+    p.wait_ready()
+    d_fail.wait_ready()
+    patient = ["--decode-timeout", "15"]  # D stays frozen longer than the chaos proxy's 3 s
     return {
         "recompute": start_proxy(start_server, p, workers[1], *patient),
         "fail": start_proxy(start_server, p, d_fail, *patient),

@@ -57,7 +57,7 @@ def test_prefill_frozen_before_the_read_and_its_release_delayed(cluster):
     with cluster.at_handoff(complete, body(PROMPTS[2])) as call:
         freeze(p)
     try:
-        out = call.result()  # read from a frozen P, or recomputed after D's 2 s read timeout
+        out = call.result()  # read from a frozen P, or recomputed after D's 1.5 s read timeout
         assert out.is_ok and out.token_ids == ref, out
         cluster.wait_health(p, False)
         assert_clear(complete(proxy.url, body(PROMPTS[3])), cluster.reference(PROMPTS[3]))
@@ -75,7 +75,7 @@ def test_decode_killed_before_the_read(cluster):
     out = call.result()
     assert_clear(out, ref)
     assert out.status >= 500, out  # the only D is gone
-    # the proxy gives P's blocks back at once (well before the 5 s lease would end)
+    # the proxy gives P's blocks back at once (well before the 3.5 s lease would end)
     assert wait_until(lambda: p.metric("pdserve_kv_blocks_used") == 0, timeout=2)
     cluster.wait_health(d, False)
     restart(d)
@@ -96,7 +96,7 @@ def test_decode_frozen_mid_stream_ends_the_stream_then_is_readmitted(cluster):
         out = stream(proxy.url, body(PROMPTS[5], max_tokens=400), on_event=freeze_d_at_third_event)
         assert_clear(out, ref)
         assert out.error is not None and "decode worker" in out.error, out
-        assert out.seconds < 10  # the proxy's 4 s decode timeout, not a hang
+        assert out.seconds < 10  # the proxy's 3 s decode timeout, not a hang
         cluster.wait_health(d, False)
     finally:
         thaw(d)  # D sees the closed stream and aborts the request

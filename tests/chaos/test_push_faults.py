@@ -35,7 +35,7 @@ def test_prefill_dead_at_the_push_then_restarted(cluster):
     kill(p)
     out = complete(proxy.url, body(PROMPTS[0]))
     assert out.is_ok and out.token_ids == ref, out  # D computed it alone
-    # a reservation the proxy made before it found P dead comes back at its expiry (5 s):
+    # a reservation the proxy made before it found P dead comes back at its expiry (3.5 s):
     # D cannot tell that P never got the request
     assert wait_until(lambda: d.metric("pdserve_kv_blocks_used") == 0, timeout=10)
     cluster.wait_health(p, False)
@@ -73,7 +73,7 @@ def test_prefill_frozen_past_the_timeout_pushes_late_into_released_blocks(cluste
     victim_ref = cluster.reference(PROMPTS[3], max_tokens=400)
     gave_up = cluster.routed("colocated", "prefill_failed")
     with frozen(p):
-        out = complete(proxy.url, body(PROMPTS[2]))  # the proxy gives up on P after 4 s
+        out = complete(proxy.url, body(PROMPTS[2]))  # the proxy gives up on P after 3 s
         assert out.is_ok and out.token_ids == ref, out  # and D computes the prompt alone
         assert cluster.routed("colocated", "prefill_failed") == gave_up + 1
         cluster.wait_health(p, False)
