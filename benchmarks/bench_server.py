@@ -13,8 +13,8 @@ import argparse
 import asyncio
 import gc
 import json
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.engine.llm import LLM  # noqa: E402
 from common.engine.sampling_params import SamplingParams  # noqa: E402
+from deploy.processes import ServerProcess  # noqa: E402
 
 TOPICS = [
     "the sea",
@@ -100,31 +101,13 @@ async def _run_clients(url: str, convs, max_tokens: int) -> float:
 
 
 def bench_server(convs, max_tokens: int, args: list[str], port: int) -> float:
-    cmd = [
-        sys.executable,
-        "-m",
-        "decode_server",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        *args,
-    ]
-    proc = subprocess.Popen(cmd, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
+    log = Path(tempfile.mkdtemp(prefix="bench_server_")) / "decode.log"
+    server = ServerProcess("decode", ["--log-level", "warning", *args], log, port)
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        return asyncio.run(_run_clients(url, convs, max_tokens))
+        server.wait_ready(timeout=300)
+        return asyncio.run(_run_clients(server.url, convs, max_tokens))
     finally:
-        proc.terminate()
-        proc.wait(60)
+        server.stop(timeout=60)
 
 
 def main() -> None:
