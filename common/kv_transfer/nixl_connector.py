@@ -32,10 +32,9 @@ import logging
 import time
 from collections import defaultdict
 from concurrent.futures import Future
-from typing import Any
 
 from common.config import TransferConfig
-from common.kv_transfer.base import KVConnector, KVLoss
+from common.kv_transfer.base import KVConnector, KVLoss, KVTransferStats, PeerInfo, Request
 from common.kv_transfer.checksum import mismatch, request_checksums
 from common.kv_transfer.holds import TransferHolds
 from common.kv_transfer.leases import LeaseTable, wall_deadline
@@ -93,12 +92,24 @@ class NixlConnector(KVConnector):
     def has_peer(self, engine_id: str) -> bool:
         return self.transport.has_peer(engine_id)
 
+    def peer_info(self) -> PeerInfo | None:
+        if self.transport is None:  # no KV registered yet
+            return None
+        return PeerInfo(self.transport.layout.to_dict(), self.transport.metadata())
+
+    def retire_peer(self, engine_id: str) -> None:
+        self.transport.retire_peer(engine_id)
+
+    @property
+    def num_peers(self) -> int:
+        return 0 if self.transport is None else self.transport.num_peers
+
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
 
     # -- P: hold blocks for the reader ------------------------------------------------------------
-    def request_finished(self, request: Any) -> bool:
+    def request_finished(self, request: Request) -> bool:
         if not wants_remote_decode(request.kv_transfer_params) or not request.output_token_ids:
             self.pushes.forget(request.request_id)
             return False
@@ -119,7 +130,7 @@ class NixlConnector(KVConnector):
                 kv_checksums=checksums,
             ).to_dict()
             return False
-        if request.status.name == "FINISHED_ABORTED" or not request.blocks:
+        if request.is_aborted or not request.blocks:
             return False
         read_by = wall_deadline(self.cfg.lease_timeout)  # before the lease starts: never later
         self.leases.hold(request.request_id, request.blocks)
@@ -136,7 +147,7 @@ class NixlConnector(KVConnector):
         request.blocks = []
         return True
 
-    def release(self, request_id: str) -> bool:
+    def release_lease(self, request_id: str) -> bool:
         return self.leases.release(request_id)
 
     def poll(self) -> None:
@@ -186,12 +197,12 @@ class NixlConnector(KVConnector):
         return self.reservations.release(reservation_id)
 
     # -- D: plan, start and wait for reads -----------------------------------------------------
-    def num_external_tokens(self, request: Any, num_local_cached: int) -> int:
+    def num_external_tokens(self, request: Request, num_local_cached: int) -> int:
         if request.remote_prefill is None:
             return 0
         return request.num_tokens - 1 - num_local_cached
 
-    def after_allocation(self, request: Any, num_local_cached: int) -> None:
+    def after_allocation(self, request: Request, num_local_cached: int) -> None:
         remote = request.remote_prefill
         if remote is None:
             return
@@ -218,7 +229,7 @@ class NixlConnector(KVConnector):
             plan.failed = True
             self._failed[request.request_id] = loss
 
-    def build_connector_meta(self, scheduled: list) -> StepMeta | None:
+    def build_connector_meta(self, scheduled: list[tuple[Request, int]]) -> StepMeta | None:
         loads = [
             self._plans.pop(req.request_id) for req, _ in scheduled if req.request_id in self._plans
         ]
@@ -393,6 +404,33 @@ class NixlConnector(KVConnector):
 
     def count_recomputed(self, reason: str) -> None:
         self.stats.recomputed[reason] += 1
+
+    def stats_snapshot(self) -> KVTransferStats:
+        loads, pushes = self.stats, self.pushes.stats
+        incomplete = self.reservations.num_incomplete if self.reservations is not None else 0
+        return KVTransferStats(
+            num_loads=loads.num_loads,
+            num_load_failures=loads.num_failed,
+            num_bytes_loaded=loads.bytes_loaded,
+            seconds_loading=loads.seconds_loading,
+            num_load_descriptors=loads.descriptors,
+            num_lease_expiries=self.leases.num_expired,
+            num_bytes_pushed=pushes.num_bytes,
+            seconds_pushing=pushes.seconds,
+            seconds_push_exposed=pushes.seconds_exposed,
+            num_push_failures=pushes.num_failures + incomplete,
+            num_checksum_failures=loads.num_checksum_failures,
+            num_blocks_held=self.leases.num_blocks_held,
+            num_blocks_in_transfer=self.holds.num_blocks_held,
+            num_blocks_quarantined=self.holds.num_quarantined,
+            num_pushes_in_flight=len(self.pushes),
+            loaded_requests=dict(loads.loaded_requests),
+            recomputed=dict(loads.recomputed),
+            descriptors={
+                "read": loads.descriptors_a_layer.copy(),
+                "write": pushes.descriptors_a_layer.copy(),
+            },
+        )
 
     def notify_release(self, remote: RemotePrefill) -> None:
         """Tell P it may free a request's blocks (also for requests D will not read)."""
