@@ -46,6 +46,8 @@ from common.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+RANK_MAIN = "common.engine.rank_main"  # what ranks 1..N-1 run (`python -m`)
+
 
 @dataclass
 class _Parent:
@@ -80,7 +82,7 @@ class LLMEngine:
             )
         share = self.arch if connector or config.transfer.connector else None  # KV moves
         self.ranks = self.tp and start_ranks(
-            config, dtype, self.max_model_len, self.num_blocks, share
+            config, dtype, self.max_model_len, self.num_blocks, RANK_MAIN, share
         )
         self.model = load_model(model_dir, dtype, self.device, self.max_model_len, self.tp)
         backend = select_backend(
