@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.attention.backends import select_backend
-from common.config import EngineConfig
+from common.config import EngineConfig, TransferConfig
 from common.engine.decode_graphs import decode_graph_sizes
 from common.engine.model_runner import ModelRunner
 from common.engine.output import OutputProcessor, RequestOutput
@@ -56,8 +56,13 @@ class _Parent:
     children: list[Request] = field(default_factory=list)
 
 
+ConnectorFactory = Callable[[TransferConfig, int, BlockPool], KVConnector | None]
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig, connector: KVConnector | None = None):
+    def __init__(self, config: EngineConfig, make_connector: ConnectorFactory = create_connector):
+        """`make_connector(transfer config, block size, pool)`: the KV connector, from the
+        registry by default (`TransferConfig.connector`); tests give one of their own."""
         self.config = config
         mc, cc = config.model, config.cache
         model_dir = mc.model_dir
@@ -80,7 +85,8 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}: raise num_blocks / kv_cache_memory or lower "
                 "max_model_len"
             )
-        share = self.arch if connector or config.transfer.connector else None  # KV moves
+        moves_kv = config.transfer.connector is not None or make_connector is not create_connector
+        share = self.arch if moves_kv else None
         self.ranks = self.tp and start_ranks(
             config, dtype, self.max_model_len, self.num_blocks, RANK_MAIN, share
         )
@@ -100,7 +106,7 @@ class LLMEngine:
         self.pool = BlockPool(self.num_blocks - bool(graph_sizes), cc.enable_prefix_caching)
         eos = tuple(sorted(set(self.arch.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.eos_token_ids = eos
-        self.connector = connector or create_connector(config.transfer, cc.block_size, self.pool)
+        self.connector = make_connector(config.transfer, cc.block_size, self.pool)
         kv = KVCacheManager(self.pool, cc.block_size)
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len, eos, self.connector)
         self.runner = ModelRunner(
