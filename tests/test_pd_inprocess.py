@@ -125,6 +125,7 @@ def test_pull_equals_colocated_and_is_loaded_not_recomputed(p, d, mode):
         params = prefill(p, prompt, mode)
         assert params["first_token_id"] == colocated[0]  # P's first token is D's
         assert len(params["remote_block_ids"]) == -(-len(prompt) // 16)
+        assert len(params["kv_checksums"]) == 3  # per layer of the tiny model
         tokens, out = run(d, prompt, sampling(mode), params)
         assert out["error"] is None and tokens == colocated, (len(prompt), tokens, colocated)
         settle(p, d)  # D told P to let go: both pools whole
@@ -133,6 +134,7 @@ def test_pull_equals_colocated_and_is_loaded_not_recomputed(p, d, mode):
     assert after.num_loads - before.num_loads == 5 and after.num_load_failures == 0
     assert after.recomputed == before.recomputed
     assert after.num_bytes_loaded > before.num_bytes_loaded
+    assert after.num_checksum_failures == before.num_checksum_failures  # every layer checked
 
 
 def test_first_token_from_p_or_recomputed_on_d(p, d):
@@ -230,6 +232,38 @@ def test_kv_past_its_lease_is_never_read(model, fabric, d):
     else:
         assert out["error"] is None and tokens == colocated
     settle(d)
+    d.connector.retire_peer(short.config.transfer.engine_id)
+    short.connector.close()
+
+
+def test_blocks_reused_after_the_lease_are_caught_by_the_checksum(model, fabric, d):
+    """Without the lease's deadline (a peer that sends none) D reads past it: the checksum is
+    what catches the blocks P has given another prompt meanwhile (the deadline itself:
+    test_kv_past_its_lease_is_never_read, and tests/chaos/test_lease_faults.py)."""
+    short = make_engine(model, fabric, kv_checksum=True, lease_timeout=0.2)
+    connect(short, d)
+    victim = prompts()[-1]
+    colocated, _ = run(d, victim, sampling("greedy"))
+    params = prefill(short, victim)
+    del params["read_by"]
+    time.sleep(0.3)
+    short.poll_transfers()
+    assert short.connector.stats_snapshot().num_lease_expiries == 1
+    run(short, victim[::-1], sampling("greedy", max_tokens=1), rid="other")  # reuses the blocks
+    before = d.connector.stats_snapshot()
+    tokens, out = run(d, victim, sampling("greedy"), params)
+    after = d.connector.stats_snapshot()
+    assert after.num_checksum_failures == before.num_checksum_failures + 1
+    assert after.loaded_requests == before.loaded_requests  # not one more loaded request
+    if d.config.transfer.failure_policy == "fail":
+        assert "checksum mismatch" in out["error"], out["error"]
+    else:
+        assert out["error"] is None and tokens == colocated
+        n = after.recomputed.get("checksum_mismatch", 0) - before.recomputed.get(
+            "checksum_mismatch", 0
+        )
+        assert n == 1
+    settle(short, d)
     d.connector.retire_peer(short.config.transfer.engine_id)
     short.connector.close()
 
