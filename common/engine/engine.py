@@ -5,6 +5,8 @@
 With `tensor_parallel_size` N > 1 the engine is rank 0 of N (common/parallel/): one shard of the
 model and KV cache, ranks 1..N-1 as processes fed each step's plan; scheduling, blocks and
 sampling stay here; so does the KV connector, to which every rank's KV is shared (kv_shards.py).
+What happens between steps to a request whose KV crosses workers (a pushed prompt awaited, a
+load that failed, an answer held while its KV is sent) is kv_transfer/remote_prefills.py's.
 
 A request with `n > 1` fans out into n child sequences (`<id>#<i>`); its outputs come back
 under the parent id with each child's index. With prefix caching on, the first child prefills
