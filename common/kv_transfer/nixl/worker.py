@@ -228,7 +228,7 @@ class NixlWorker:
         for layer_name in self.layer_index:
             self.wait_for_layer_load(layer_name)
 
-    def finish_loads(self, meta: StepMeta) -> None:
+    def _finish_loads(self, meta: StepMeta) -> None:
         """After the forward: account for the step's loads and tell each P to let go."""
         for plan in meta.loads:
             self.stats.num_loads += 1
@@ -289,7 +289,7 @@ class NixlWorker:
         if self._unwritten is not None:  # TP > 1: the last layer, every rank past it
             self._write_layer(meta.pushes, self._unwritten, None)
             self._unwritten = None
-        self.finish_loads(meta)
+        self._finish_loads(meta)
 
     def _write_layer(self, pushes: list[PushPlan], layer: int, ready) -> None:
         deadline = time.monotonic() + self.cfg.load_timeout
