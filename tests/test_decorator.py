@@ -94,7 +94,7 @@ def test_forward_context_refuses_nesting_and_resets():
 def test_engine_calls_connector_per_layer(tiny_model):
     connector = RecordingConnector()
     config = EngineConfig(ModelConfig(str(tiny_model("llama"))), CacheConfig(num_blocks=32))
-    engine = LLMEngine(config, connector=connector)
+    engine = LLMEngine(config, make_connector=lambda *_: connector)
     assert set(connector.registered) == set(engine.model.attention_layers())
     engine.add_request("r", list(range(3, 40)), SamplingParams(max_tokens=3, temperature=0))
     engine.step()  # no metadata bound: the connector is not called at all

@@ -234,7 +234,7 @@ def test_a_tp_decode_worker_serves_colocated_on_its_cores(launch, tiny_model):
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     decode_pid = children["decode-0"][1]
-    ranks = [p for p in descendants(decode_pid) if "common.parallel.rank" in cmdline(p)]
+    ranks = [p for p in descendants(decode_pid) if "common.engine.rank_main" in cmdline(p)]
     assert len(ranks) == 1, "rank 1 runs beside the worker, which is rank 0"
     cores = sorted(os.sched_getaffinity(0))
     cpu = launcher.cpu_columns()["decode-0"]
@@ -260,7 +260,7 @@ def test_a_tp2_prefill_worker_hands_its_kv_to_a_tp1_decode_worker(launch, tiny_m
     metrics = httpx.get(f"{rows['decode-0']}/metrics", timeout=10).text
     assert 'pdserve_kv_loaded_requests_total{mode="pull"} 1.0' in metrics, metrics[-2000:]
     prefill_pid = launcher.children()["prefill-0"][1]
-    ranks = [p for p in descendants(prefill_pid) if "common.parallel.rank" in cmdline(p)]
+    ranks = [p for p in descendants(prefill_pid) if "common.engine.rank_main" in cmdline(p)]
     assert len(ranks) == 1, "P's rank 1 runs beside it"
     launcher.seen.update(descendants(launcher.proc.pid))
     launcher.proc.send_signal(signal.SIGTERM)

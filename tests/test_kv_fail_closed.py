@@ -94,7 +94,7 @@ def test_late_reads_of_a_failed_load_never_land_in_another_requests_blocks(prefi
             try:
                 read_layers(peer, layers, local, remote, **kw).result()
             finally:
-                future._is_settled = True
+                future.mark_settled()
 
         late.append(threading.Thread(target=land, daemon=True))
         late[-1].start()

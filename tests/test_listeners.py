@@ -70,8 +70,8 @@ def store_port(pid: int) -> int:
     """The rendezvous store's port, from a rank's command line (its RankSpec)."""
     for member in process_tree(pid):
         argv = Path(f"/proc/{member}/cmdline").read_bytes().split(b"\0")
-        if b"common.parallel.rank" in argv:
-            return json.loads(argv[argv.index(b"common.parallel.rank") + 1])["store_port"]
+        if b"common.engine.rank_main" in argv:
+            return json.loads(argv[argv.index(b"common.engine.rank_main") + 1])["store_port"]
     raise AssertionError("no tensor-parallel rank in the tree")
 
 

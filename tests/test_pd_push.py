@@ -41,7 +41,8 @@ def reserve(d, num_tokens: int) -> dict:
     return target
 
 
-@pytest.mark.parametrize("mode", ["greedy", "seeded"])
+# seeded, and the stats behind these metrics: tests/test_pd_inprocess.py (no wire needed)
+@pytest.mark.parametrize("mode", ["greedy"])
 def test_push_equals_colocated(pd, mode):
     p, d = pd
     sampling = dict(temperature=0) if mode == "greedy" else dict(temperature=0.9, seed=11)

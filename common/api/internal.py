@@ -80,8 +80,8 @@ def local_handshake(state: ServerState) -> HandshakeInfo:
     """What a peer needs to move KV with this worker. Blocking (reads the model folder): the
     route runs it in the tokenize pool."""
     engine = state.require_ready().engine
-    connector = engine.connector
-    if connector is None or getattr(connector, "transport", None) is None:
+    info = engine.connector and engine.connector.peer_info()
+    if info is None:
         raise NotFoundError("this worker has no KV connector (--kv-connector none)")
     fields = _compat(engine)
     return HandshakeInfo(
@@ -89,8 +89,8 @@ def local_handshake(state: ServerState) -> HandshakeInfo:
         protocol_version=fields["protocol_version"],
         compat_hash=compat_hash(fields),
         compat=fields,
-        layout=connector.transport.layout.to_dict(),
-        agent_metadata=encode_metadata(connector.transport.metadata()),
+        layout=info.layout,
+        agent_metadata=encode_metadata(info.metadata),
     )
 
 
@@ -149,7 +149,7 @@ def install_internal_routes(app: FastAPI, state: ServerState) -> None:
     async def peers(request: Request):
         check_internal_token(state, request)
         _, connector = _connector(state)
-        return {"num_peers": connector.transport.num_peers}
+        return {"num_peers": connector.num_peers}
 
     @app.get("/internal/kv/handshake")
     async def handshake(request: Request):
@@ -164,7 +164,7 @@ def install_internal_routes(app: FastAPI, state: ServerState) -> None:
         if body.reservation_id is not None:
             fn, key = connector.release_reservation, body.reservation_id
         elif body.request_id is not None:
-            fn, key = connector.release, body.request_id
+            fn, key = connector.release_lease, body.request_id
         else:
             raise InvalidRequestError("give request_id or reservation_id", param="request_id")
         return {"released": bool(await asyncio.wrap_future(engine.call(fn, key)))}
@@ -329,7 +329,7 @@ async def _handshake(state: ServerState, engine_id: str, host: str, port: int) -
     old = book.engine_at.get((host, port))
     book.engine_at[(host, port)] = engine_id
     if old not in (None, engine_id):
-        await asyncio.wrap_future(engine.call(connector.transport.retire_peer, old))
+        await asyncio.wrap_future(engine.call(connector.retire_peer, old))
     return None
 
 

@@ -10,23 +10,47 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from common.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    from common.attention.layer import Attention
-    from common.kv_transfer.base import KVConnector
+    from common.attention.backends.base import AttentionBackend
+
+
+class AttentionLayer(Protocol):
+    """What the attention path reads of a layer (common/attention/layer.py's `Attention`):
+    declared here so that the context does not import the layer that imports it."""
+
+    backend: AttentionBackend | None
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None
+
+
+class LayerTransfer(Protocol):
+    """What the forward needs of a KV connector (common/kv_transfer/base.py), layer by layer:
+    declared here so that attention does not import the connector that imports it."""
+
+    def has_connector_metadata(self) -> bool: ...
+
+    def wait_for_layer_load(self, layer_name: str) -> None: ...
+
+    def save_kv_layer(
+        self, layer_name: str, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata | None
+    ) -> None: ...
 
 
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata | None
-    layers: dict[str, Attention]
+    layers: dict[str, AttentionLayer]
     kv_caches: dict[str, torch.Tensor]
-    connector: KVConnector | None = None
+    connector: LayerTransfer | None = None
     extra: dict = field(default_factory=dict)
     layer_names: list[str] = field(init=False)  # by layer index
 
@@ -55,7 +79,7 @@ def get_forward_context() -> ForwardContext | None:
 
 def get_attention_context(
     layer_name: str,
-) -> tuple[AttentionMetadata | None, Attention, torch.Tensor]:
+) -> tuple[AttentionMetadata | None, AttentionLayer, torch.Tensor]:
     """(attn_metadata, attn_layer, kv_cache) of `layer_name` in the current forward."""
     ctx = _current
     if ctx is None:

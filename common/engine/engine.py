@@ -5,6 +5,8 @@
 With `tensor_parallel_size` N > 1 the engine is rank 0 of N (common/parallel/): one shard of the
 model and KV cache, ranks 1..N-1 as processes fed each step's plan; scheduling, blocks and
 sampling stay here; so does the KV connector, to which every rank's KV is shared (kv_shards.py).
+What happens between steps to a request whose KV crosses workers (a pushed prompt awaited, a
+load that failed, an answer held while its KV is sent) is kv_transfer/remote_prefills.py's.
 
 A request with `n > 1` fans out into n child sequences (`<id>#<i>`); its outputs come back
 under the parent id with each child's index. With prefix caching on, the first child prefills
@@ -16,14 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from common.attention.backends import select_backend
-from common.config import EngineConfig
+from common.config import EngineConfig, TransferConfig
 from common.engine.decode_graphs import decode_graph_sizes
 from common.engine.model_runner import ModelRunner
 from common.engine.output import OutputProcessor, RequestOutput
@@ -35,8 +36,9 @@ from common.kv_cache.block_pool import BlockPool
 from common.kv_cache.manager import KVCacheManager
 from common.kv_cache.tensors import allocate_kv_caches, num_blocks_for_memory
 from common.kv_transfer import create_connector
-from common.kv_transfer.base import KVConnector, KVLoss
+from common.kv_transfer.base import KVConnector
 from common.kv_transfer.params import RemotePrefill, wants_remote_prefill
+from common.kv_transfer.remote_prefills import RemotePrefills
 from common.model.hf_config import load_arch_config
 from common.model.loader import load_model
 from common.parallel.group import TPGroup
@@ -46,6 +48,8 @@ from common.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+RANK_MAIN = "common.engine.rank_main"  # what ranks 1..N-1 run (`python -m`)
+
 
 @dataclass
 class _Parent:
@@ -54,8 +58,13 @@ class _Parent:
     children: list[Request] = field(default_factory=list)
 
 
+ConnectorFactory = Callable[[TransferConfig, int, BlockPool], KVConnector | None]
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig, connector: KVConnector | None = None):
+    def __init__(self, config: EngineConfig, make_connector: ConnectorFactory = create_connector):
+        """`make_connector(transfer config, block size, pool)`: the KV connector, from the
+        registry by default (`TransferConfig.connector`); tests give one of their own."""
         self.config = config
         mc, cc = config.model, config.cache
         model_dir = mc.model_dir
@@ -78,9 +87,10 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}: raise num_blocks / kv_cache_memory or lower "
                 "max_model_len"
             )
-        share = self.arch if connector or config.transfer.connector else None  # KV moves
+        moves_kv = config.transfer.connector is not None or make_connector is not create_connector
+        share = self.arch if moves_kv else None
         self.ranks = self.tp and start_ranks(
-            config, dtype, self.max_model_len, self.num_blocks, share
+            config, dtype, self.max_model_len, self.num_blocks, RANK_MAIN, share
         )
         self.model = load_model(model_dir, dtype, self.device, self.max_model_len, self.tp)
         backend = select_backend(
@@ -98,7 +108,7 @@ class LLMEngine:
         self.pool = BlockPool(self.num_blocks - bool(graph_sizes), cc.enable_prefix_caching)
         eos = tuple(sorted(set(self.arch.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.eos_token_ids = eos
-        self.connector = connector or create_connector(config.transfer, cc.block_size, self.pool)
+        self.connector = make_connector(config.transfer, cc.block_size, self.pool)
         kv = KVCacheManager(self.pool, cc.block_size)
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len, eos, self.connector)
         self.runner = ModelRunner(
@@ -115,9 +125,9 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             pad_block=self.num_blocks - 1,
         )
-        self._ready: list[Request] = []  # finished outside a step, reported by the next one
-        self._awaiting: list[tuple[Request, float]] = []  # pushed KV still arriving; deadline
-        self._sending: dict[str, Request] = {}  # finished, output held until its push settles
+        self.remote = RemotePrefills(
+            self.connector, self.scheduler, config.transfer, cc.block_size, self.pool
+        )
         self.outputs = OutputProcessor(self.tokenizer)
         self._parents: dict[str, _Parent] = {}
         self._held: dict[str, list[Request]] = {}  # first child id → siblings not yet scheduled
@@ -174,13 +184,10 @@ class LLMEngine:
         first, siblings = parent.children[0], parent.children[1:]
         if wants_remote_prefill(kv_transfer_params) and self.connector is not None:
             first.remote_prefill = RemotePrefill.parse(kv_transfer_params)
-        if first.remote_prefill and first.remote_prefill.push_reservation_id:
-            deadline = time.monotonic() + self.config.transfer.load_timeout
-            self._awaiting.append((first, deadline))  # scheduled once every layer has landed
+            self._accept_first_token(first)
+            self.remote.add(first)
         else:
             self.scheduler.add_request(first)
-        if first.remote_prefill is not None:
-            self._accept_first_token(first)
         if siblings and self.pool.enable_prefix_caching:
             self._held[first.request_id] = siblings
         else:
@@ -192,90 +199,17 @@ class LLMEngine:
         parent = self._parents.pop(request_id, None)
         for child in parent.children if parent else []:
             self._held.pop(child.request_id, None)
-            self._sending.pop(child.request_id, None)
-            if any(req is child for req, _ in self._awaiting):
-                self._awaiting = [(r, d) for r, d in self._awaiting if r is not child]
-                self._give_back_remote(child)
+            self.remote.abort(child)
             self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
             self.outputs.remove(child.request_id)
             self._children.pop(child.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._ready)
+        return self.scheduler.has_unfinished or self.remote.has_ready
 
     def poll_transfers(self) -> None:
-        if self.connector is not None:
-            self.connector.poll()
-            self._admit_pushed()
-            self._release_sent()
-
-    def _release_sent(self) -> None:
-        """P: outputs of requests whose pushed KV has settled; an error if a write failed
-        (the proxy then pulls or recomputes: never a reservation with holes in it)."""
-        for request_id, why in self.connector.take_sent().items():
-            req = self._sending.pop(request_id, None)
-            if req is None:
-                continue
-            if why is not None:
-                req.error = f"pushing the prompt's KV to the decode worker failed: {why}"
-            self._ready.append(req)
-
-    def _admit_pushed(self) -> None:
-        """Schedule requests whose pushed KV has fully landed; past the deadline, recompute or
-        fail them by policy."""
-        still = []
-        for req, deadline in self._awaiting:
-            rid = req.remote_prefill.push_reservation_id
-            state = self.connector.reservation_state(rid)
-            if state == "ready":
-                blocks = self.connector.claim_reservation(rid)
-                loss = self._pushed_loss(req, rid, blocks)
-                req.remote_prefill = None
-                if loss is not None:  # fail closed: never decode from KV that did not check out
-                    self.pool.free(list(reversed(blocks)))
-                    self._on_lost_kv(req, loss)
-                    continue
-                req.blocks = blocks
-                req.num_computed_tokens = req.num_tokens - 1
-                self.connector.count_loaded("push")
-                self.scheduler.add_request(req)
-            elif state == "gone" or time.monotonic() > deadline:
-                self._give_back_remote(req)
-                why = f"pushed KV did not fully arrive (reservation {rid} {state})"
-                self._on_lost_kv(req, KVLoss("push_incomplete", why))
-            else:
-                still.append((req, deadline))
-        self._awaiting = still
-
-    def _pushed_loss(self, req: Request, rid: str, blocks: list) -> KVLoss | None:
-        """Why a claimed reservation's KV cannot be decoded from, or None: it must hold exactly
-        the prompt's blocks (a smaller one leaves the tail unwritten) and match P's checksums."""
-        needed = -(-req.num_prompt_tokens // self.config.cache.block_size)
-        if len(blocks) != needed:
-            why = f"reservation {rid} holds {len(blocks)} blocks, the prompt needs {needed}"
-            return KVLoss("remote_blocks_mismatch", why)
-        why = self.connector.verify_pushed(req.remote_prefill, [b.block_id for b in blocks])
-        return None if why is None else KVLoss("checksum_mismatch", why)
-
-    def _on_lost_kv(self, req: Request, why: KVLoss) -> None:
-        if self.config.transfer.failure_policy == "recompute":
-            logger.warning("%s: computing %s locally", why, req.request_id)
-            self.connector.count_recomputed(why.reason)
-            self.scheduler.add_request(req)
-        else:
-            req.error = f"the prompt's KV cache did not arrive from the prefill worker: {why}"
-            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-            self._ready.append(req)
-
-    def _give_back_remote(self, req: Request) -> None:
-        """Free what the remote prefill holds for a request that will not read it."""
-        remote, req.remote_prefill = req.remote_prefill, None
-        if remote is None:
-            return
-        if remote.push_reservation_id:
-            self.connector.release_reservation(remote.push_reservation_id)
-        else:
-            self.connector.notify_release(remote)
+        """Between steps: the connector's notifications; pushed KV that landed is admitted."""
+        self.remote.poll()
 
     def has_pending_transfers(self) -> bool:
         return self.connector is not None and self.connector.has_pending()
@@ -284,62 +218,26 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self.poll_transfers()  # also admits requests whose pushed KV has landed
         sched = self.scheduler.schedule()
-        ready, self._ready = self._ready, []
         if sched.is_empty:
-            return self._make_outputs(ready)
+            return self._make_outputs(self.remote.take_ready())
         meta = self.connector.build_connector_meta(sched.scheduled) if self.connector else None
         sampled = self.runner.execute(sched.scheduled, meta)
-        ready += self._drop_failed_loads(sched, sampled)
-        changed = self._hold_sending(self.scheduler.update(sched, sampled))
+        sched.scheduled = self.remote.drop_failed_loads(sched.scheduled, sampled)
+        changed = self.remote.hold_sending(self.scheduler.update(sched, sampled))
         self._release_siblings()
-        return self._make_outputs(ready + changed)
-
-    def _hold_sending(self, changed: list[Request]) -> list[Request]:
-        """P: a finished request whose KV is still being pushed answers once it has landed."""
-        if self.connector is None:
-            return changed
-        for req in changed:
-            if req.is_finished and self.connector.is_sending(req.request_id):
-                self._sending[req.request_id] = req
-        return [req for req in changed if req.request_id not in self._sending]
-
-    def _drop_failed_loads(self, sched, sampled: dict) -> list[Request]:
-        """Requests whose remote KV did not arrive: recomputed locally, or failed, by policy.
-        Their sampled token is dropped and their blocks are never cached."""
-        failed = self.connector.take_failed() if self.connector else {}
-        if not failed:
-            return []
-        lost = [req for req, _ in sched.scheduled if req.request_id in failed]
-        sched.scheduled = [(r, n) for r, n in sched.scheduled if r.request_id not in failed]
-        for req in lost:
-            sampled.pop(req.request_id, None)
-            if self.config.transfer.failure_policy == "recompute":
-                self.connector.count_recomputed(failed[req.request_id].reason)
-                self.scheduler.recompute(req)
-            else:
-                req.error = (
-                    "the prompt's KV cache did not arrive from the prefill worker: "
-                    f"{failed[req.request_id]}"
-                )
-                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-        return [req for req in lost if req.is_finished]
+        return self._make_outputs(self.remote.take_ready() + changed)
 
     def _accept_first_token(self, req: Request) -> None:
-        """Take the prefill worker's first token as generated here (seeded draws included)."""
-        remote = req.remote_prefill
-        if remote.first_token_id is None:
+        """D: take the prefill worker's first token as generated here (seeded draws included);
+        `RemotePrefills.add` then sees whether it ends the request."""
+        token_id = req.remote_prefill.first_token_id
+        if token_id is None:
             return  # vLLM-style: the last prompt token is recomputed and sampled here
-        req.append_token(SampledToken(remote.first_token_id))
+        req.append_token(SampledToken(token_id))
         skip_draw(req)
-        if remote.first_token_streamed:  # the client has it: stream from the second token
+        if req.remote_prefill.first_token_streamed:  # the client has it: stream from the 2nd
             self.outputs.process(req)
             self.outputs.mark_sent(req.request_id)
-        status, reason = self.scheduler.check_stop(req, remote.first_token_id)
-        if status is not None:  # nothing left to generate: no KV needed
-            self._awaiting = [(r, d) for r, d in self._awaiting if r is not req]
-            self._give_back_remote(req)
-            self.scheduler.finish(req, status, reason)
-            self._ready.append(req)
 
     def _release_siblings(self) -> None:
         """Schedule the siblings of first children whose prompt is now computed (and cached)."""

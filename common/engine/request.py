@@ -83,6 +83,10 @@ class Request:
         return self.status.is_finished
 
     @property
+    def is_aborted(self) -> bool:
+        return self.status == RequestStatus.FINISHED_ABORTED
+
+    @property
     def block_ids(self) -> list[int]:
         return [b.block_id for b in self.blocks]
 

@@ -72,8 +72,23 @@ class Scheduler:
         if self.connector is None or not self.connector.request_finished(req):
             self.kv.free(req)
 
+    def fail(self, req: Request, error: str) -> None:
+        """End a request with an error for its client (its remote KV was lost: kv_transfer)."""
+        req.error = error
+        self.finish(req, RequestStatus.FINISHED_ERROR)
+
+    def stop_if_done(self, req: Request, token_id: int) -> bool:
+        """Finish `req` if `token_id`, its newest token, ends it; True if it did."""
+        status, reason = self.check_stop(req, token_id)
+        if status is not None:
+            self.finish(req, status, reason)
+        return status is not None
+
     def recompute(self, req: Request) -> None:
-        """Back to the head of the queue with no KV: computed again, locally, from token 0."""
+        """Computed again, locally, from token 0: a running request goes back to the head of
+        the queue with no KV; one never admitted (its pushed KV was lost) joins the tail."""
+        if req not in self.running:
+            return self.add_request(req)
         self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
@@ -160,9 +175,7 @@ class Scheduler:
             if token is None:
                 continue
             req.append_token(token)
-            status, reason = self.check_stop(req, token.token_id)
-            if status is not None:
-                self.finish(req, status, reason)
+            self.stop_if_done(req, token.token_id)
             changed.append(req)
         return changed
 

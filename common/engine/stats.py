@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.kv_transfer.base import KVTransferStats
 from common.kv_transfer.transfers import DescriptorHistogram
 
 
@@ -42,13 +43,7 @@ class EngineStats:
 def engine_stats(engine, kv_events) -> EngineStats:
     """The snapshot of `engine` (an LLMEngine) now; on the engine thread."""
     sched, pool = engine.scheduler, engine.pool
-    connector = engine.connector
-    transfer = getattr(connector, "stats", None)
-    leases = getattr(connector, "leases", None)
-    holds = getattr(connector, "holds", None)
-    pushed = connector.pushes.stats if hasattr(connector, "pushes") else None
-    reservations = getattr(connector, "reservations", None)
-    push_incomplete = reservations.num_incomplete if reservations is not None else 0
+    kv = engine.connector.stats_snapshot() if engine.connector else KVTransferStats()
     return EngineStats(
         num_running=len(sched.running),
         num_waiting=len(sched.waiting),
@@ -58,27 +53,23 @@ def engine_stats(engine, kv_events) -> EngineStats:
         prefix_cache_hits=pool.num_hits,
         num_preemptions=sched.num_preemptions,
         num_graph_steps=engine.runner.graphs.num_steps if engine.runner.graphs else 0,
-        kv_transfers=transfer.num_loads if transfer else 0,
-        kv_transfer_failures=transfer.num_failed if transfer else 0,
-        kv_transfer_bytes=transfer.bytes_loaded if transfer else 0,
-        kv_transfer_seconds=transfer.seconds_loading if transfer else 0.0,
-        kv_transfer_descriptors=transfer.descriptors if transfer else 0,
-        kv_lease_expiries=leases.num_expired if leases is not None else 0,
-        kv_push_bytes=pushed.num_bytes if pushed else 0,
-        kv_push_seconds=pushed.seconds if pushed else 0.0,
-        kv_push_exposed_seconds=pushed.seconds_exposed if pushed else 0.0,
-        kv_push_failures=(pushed.num_failures if pushed else 0) + push_incomplete,
-        kv_checksum_failures=transfer.num_checksum_failures if transfer else 0,
-        kv_blocks_held=leases.num_blocks_held if leases is not None else 0,
-        kv_blocks_in_transfer=holds.num_blocks_held if holds is not None else 0,
-        kv_blocks_quarantined=holds.num_quarantined if holds is not None else 0,
-        kv_loaded_requests=dict(transfer.loaded_requests) if transfer else {},
-        kv_recomputed=dict(transfer.recomputed) if transfer else {},
-        kv_pushes_in_flight=len(connector.pushes) if hasattr(connector, "pushes") else 0,
+        kv_transfers=kv.num_loads,
+        kv_transfer_failures=kv.num_load_failures,
+        kv_transfer_bytes=kv.num_bytes_loaded,
+        kv_transfer_seconds=kv.seconds_loading,
+        kv_transfer_descriptors=kv.num_load_descriptors,
+        kv_lease_expiries=kv.num_lease_expiries,
+        kv_push_bytes=kv.num_bytes_pushed,
+        kv_push_seconds=kv.seconds_pushing,
+        kv_push_exposed_seconds=kv.seconds_push_exposed,
+        kv_push_failures=kv.num_push_failures,
+        kv_checksum_failures=kv.num_checksum_failures,
+        kv_blocks_held=kv.num_blocks_held,
+        kv_blocks_in_transfer=kv.num_blocks_in_transfer,
+        kv_blocks_quarantined=kv.num_blocks_quarantined,
+        kv_loaded_requests=kv.loaded_requests,
+        kv_recomputed=kv.recomputed,
+        kv_pushes_in_flight=kv.num_pushes_in_flight,
         kv_events_dropped=kv_events.num_dropped if kv_events is not None else 0,
-        kv_descriptors={
-            op: stats.descriptors_a_layer.copy()
-            for op, stats in (("read", transfer), ("write", pushed))
-            if stats is not None
-        },
+        kv_descriptors=kv.descriptors,
     )

@@ -17,7 +17,7 @@ import mmap
 
 import torch
 
-from common.model.hf_config import ArchConfig
+from common.arch_config import ArchConfig
 
 _HUGE_PAGE = 2 << 20
 

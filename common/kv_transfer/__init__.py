@@ -14,7 +14,7 @@ from common.kv_transfer import nixl_agent
 from common.kv_transfer.base import KVConnector
 
 # name → "module:class", imported on use (NIXL loads a native library and torch on import)
-CONNECTORS = {"nixl": "common.kv_transfer.nixl_connector:NixlConnector"}
+CONNECTORS = {"nixl": "common.kv_transfer.nixl:NixlConnector"}
 
 
 def create_connector(

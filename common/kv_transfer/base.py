@@ -1,4 +1,6 @@
-"""The KV connector interface: how KV moves between workers, per layer.
+"""The KV connector interface: how KV moves between workers, per layer. This class is the whole
+contract: the engine, its scheduler, the model runner, the attention decorator, the HTTP routes
+and `RemotePrefills` use nothing of a connector that is not declared here.
 
 Worker side (runs inside the model forward, called by `maybe_transfer_kv_layer`):
 - `bind_connector_metadata(meta)` / `clear_connector_metadata()`: the per-step plan, set by the
@@ -25,34 +27,108 @@ Scheduler side (the engine calls these between steps, on the same thread):
 - `is_sending(request_id)` / `take_sent()`: a finished request whose KV is still being sent
   (push) keeps its output back until the sends settle; `take_sent()` gives the ids that
   settled since the last call, each with why it failed (None: every byte landed).
+- Push reservations (D): `reserve(num_tokens)` blocks for a prefill worker to write into;
+  `reservation_state(id)` ("ready", "pending" or "gone"); `claim_reservation(id)` takes a ready
+  one's blocks; `verify_pushed(remote, block_ids)` checks them against P's checksums;
+  `release_reservation(id)` gives one up.
+- Leases (P): `release_lease(request_id)` frees blocks held for a reader that gave up;
+  `notify_release(remote)` (D) tells the prefill worker so, for a request it will not read.
 - `count_loaded(mode)` / `count_recomputed(reason)`: where each remote-prefill request's KV
   came from, for metrics (`pdserve_kv_loaded_requests_total`, `pdserve_kv_recomputed_total`).
+- `stats_snapshot()`: the connector's running totals as a frozen `KVTransferStats`.
 - `poll()`: between steps: notifications, lease expiry; `has_pending()` asks the engine loop to
   keep calling it while idle.
+
+Peers (the HTTP routes call these on the engine thread):
+- `peer_info()`: what a peer needs to move KV with this worker (None: nothing to connect to).
+- `add_peer(layout, metadata)` / `has_peer(engine_id)` / `retire_peer(engine_id)` /
+  `num_peers`: the workers this one moves KV with; `close()` ends every transfer.
+
+A connector that moves nothing (the base class's defaults) holds no leases, takes no pushes and
+knows no peers: its reservations are all "gone" and its stats all zero.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+from common.kv_transfer.params import KVLoss, RemotePrefill
+from common.kv_transfer.transfers import DescriptorHistogram
 
 if TYPE_CHECKING:
     from common.attention.context import ForwardContext
     from common.attention.metadata import AttentionMetadata
+    from common.kv_cache.block_pool import Block
+    from common.kv_transfer.reservations import Reservation
+
+__all__ = ["KVConnector", "KVLoss", "KVTransferStats", "PeerInfo", "Request"]
+
+
+class Request(Protocol):
+    """What a connector reads and writes of a request (common/engine/request.py's `Request`)."""
+
+    request_id: str
+    kv_transfer_params: dict | None  # as the client sent them
+    kv_transfer_params_out: dict | None  # P: where the request's KV is held, for the reader
+    remote_prefill: RemotePrefill | None  # D: where the prompt's KV is
+    blocks: list[Block]
+    output_token_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+    @property
+    def block_ids(self) -> list[int]: ...
+
+    @property
+    def is_finished(self) -> bool: ...
+
+    @property
+    def is_aborted(self) -> bool: ...
 
 
 @dataclass(frozen=True)
-class KVLoss:
-    """Why a request's remote KV cannot be used: a metric label and a message for the client."""
+class KVTransferStats:
+    """A connector's running totals, read after each step (engine/stats.py, then /metrics)."""
 
-    reason: str  # read_failed | lease_expired | checksum_mismatch | push_incomplete | ...
-    message: str
+    num_loads: int = 0  # D: pull reads, one per request
+    num_load_failures: int = 0
+    num_bytes_loaded: int = 0
+    seconds_loading: float = 0.0
+    num_load_descriptors: int = 0
+    num_lease_expiries: int = 0  # P
+    num_bytes_pushed: int = 0  # P
+    seconds_pushing: float = 0.0
+    seconds_push_exposed: float = 0.0  # push time the request's answer waited for
+    num_push_failures: int = 0  # P's failed writes and D's reservations that never completed
+    num_checksum_failures: int = 0
+    num_blocks_held: int = 0  # P: under a lease for a reader
+    num_blocks_in_transfer: int = 0
+    num_blocks_quarantined: int = 0  # a failed transfer may still touch them
+    num_pushes_in_flight: int = 0  # P: push requests whose writes have not settled
+    loaded_requests: dict[str, int] = field(default_factory=dict)  # D: by mode, pull | push
+    recomputed: dict[str, int] = field(default_factory=dict)  # D: by KVLoss.reason
+    descriptors: dict[str, DescriptorHistogram] = field(default_factory=dict)  # read | write
 
-    def __str__(self) -> str:
-        return self.message
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What a peer needs to move KV with this connector: its KV layout (layout.KVLayout as a
+    dict) and the transport's connection metadata (NIXL: the agent's)."""
+
+    layout: dict
+    metadata: bytes
 
 
 class KVConnector(ABC):
@@ -97,16 +173,16 @@ class KVConnector(ABC):
         """Every read of this step has landed or failed (TP > 1: before the plan is sent)."""
 
     # -- scheduler side ----------------------------------------------------------------------
-    def num_external_tokens(self, request: Any, num_local_cached: int) -> int:
+    def num_external_tokens(self, request: Request, num_local_cached: int) -> int:
         return 0
 
-    def after_allocation(self, request: Any, num_local_cached: int) -> None:  # noqa: B027
+    def after_allocation(self, request: Request, num_local_cached: int) -> None:  # noqa: B027
         """Called once blocks cover the request's tokens."""
 
-    def build_connector_meta(self, scheduled: list) -> Any:
+    def build_connector_meta(self, scheduled: list[tuple[Request, int]]) -> Any:
         return None
 
-    def request_finished(self, request: Any) -> bool:
+    def request_finished(self, request: Request) -> bool:
         return False
 
     def take_failed(self) -> dict[str, KVLoss]:
@@ -118,14 +194,67 @@ class KVConnector(ABC):
     def take_sent(self) -> dict[str, str | None]:
         return {}
 
+    # -- D: push reservations ----------------------------------------------------------------
+    def reserve(self, num_tokens: int) -> Reservation:
+        raise NotImplementedError(f"{type(self).__name__} takes no pushes")
+
+    def reservation_state(self, reservation_id: str) -> str:
+        """ "ready" (every write landed), "pending" or "gone" (expired, released or unknown)."""
+        return "gone"
+
+    def claim_reservation(self, reservation_id: str) -> list[Block]:
+        """A ready reservation's blocks, now the caller's."""
+        raise KeyError(reservation_id)
+
+    def verify_pushed(self, remote: RemotePrefill, block_ids: list[int]) -> str | None:
+        """Why pushed blocks differ from the prefill worker's checksums, or None."""
+        return None
+
+    def release_reservation(self, reservation_id: str) -> bool:
+        return False
+
+    # -- leases ------------------------------------------------------------------------------
+    def release_lease(self, request_id: str) -> bool:
+        """P: free the blocks held for a reader of `request_id`; False if none are."""
+        return False
+
+    def notify_release(self, remote: RemotePrefill) -> None:  # noqa: B027
+        """D: tell the prefill worker it may free a request's blocks (also for requests D will
+        not read)."""
+
+    # -- accounting ----------------------------------------------------------------------------
     def count_loaded(self, mode: str) -> None:  # noqa: B027
         """A remote-prefill request decodes from transferred KV (`pull` or `push`)."""
 
     def count_recomputed(self, reason: str) -> None:  # noqa: B027
         """A remote-prefill request's prompt is computed locally instead (`KVLoss.reason`)."""
 
+    def stats_snapshot(self) -> KVTransferStats:
+        return KVTransferStats()
+
     def poll(self) -> None:  # noqa: B027
         """Between steps: handle notifications and expiries."""
 
     def has_pending(self) -> bool:
         return False
+
+    # -- peers ---------------------------------------------------------------------------------
+    def peer_info(self) -> PeerInfo | None:
+        return None
+
+    def add_peer(self, layout: dict, metadata: bytes) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no peers")
+
+    def has_peer(self, engine_id: str) -> bool:
+        return False
+
+    def retire_peer(self, engine_id: str) -> None:  # noqa: B027
+        """A peer that will not be used again (its worker restarted): forget it once its
+        transfers have settled."""
+
+    @property
+    def num_peers(self) -> int:
+        return 0
+
+    def close(self) -> None:  # noqa: B027
+        """Fail transfers still in flight and free the transport."""

@@ -52,7 +52,6 @@ from common.kv_transfer.layout import (
     transfer_descs,
 )
 from common.kv_transfer.nixl_agent import create_agent
-from common.kv_transfer.peers import Peer, stale_peers
 from common.kv_transfer.transfers import (
     TransferError,
     TransferFuture,
@@ -66,6 +65,44 @@ logger = logging.getLogger(__name__)
 _MIN_POLL_S = 50e-6  # poll backoff while transfers are in flight: 50 µs doubling up to 1 ms
 _MAX_POLL_S = 1e-3
 _NOTHING = object()  # the queue had no item
+
+
+@dataclass(frozen=True)
+class TransferOrder:
+    """What one READ or WRITE moves: the K and V of `local_blocks` of `layers` here (or of
+    `via`, a staging buffer's layout) to or from the peer's `remote_blocks`."""
+
+    op: str  # "READ" | "WRITE"
+    peer: str  # engine id
+    layers: Sequence[int]
+    local_blocks: Sequence[int]
+    remote_blocks: Sequence[int]
+    notif: bytes = b""  # delivered to the peer after the data
+    deadline: float | None = None  # time.monotonic(): failed with TimeoutError past it
+    ready: Any = None  # WRITE on CUDA: the event after the kernels that wrote the layer
+    via: KVLayout | None = None
+
+
+@dataclass
+class Peer:
+    """What the transport keeps per peer. A peer is dropped when it is retired (a restarted
+    worker's old engine id) or idle for `peer_idle_s`, and, past `max_peers`, the least
+    recently used idle ones go too; one with a transfer not yet settled always stays."""
+
+    layout: KVLayout
+    last_used: float = field(default_factory=time.monotonic)
+    is_retired: bool = False
+
+
+def stale_peers(peers: dict[str, Peer], busy: set[str], idle_s: float, max_peers: int) -> set[str]:
+    """The engine ids to drop now."""
+    idle_since = time.monotonic() - idle_s
+    by_age = sorted(peers.items(), key=lambda item: item[1].last_used)
+    idle = [engine_id for engine_id, _ in by_age if engine_id not in busy]
+    stale = {e for e in idle if peers[e].is_retired or peers[e].last_used < idle_since}
+    num_over = len(peers) - len(stale) - max_peers
+    stale.update([e for e in idle if e not in stale][: max(num_over, 0)])
+    return stale
 
 
 @dataclass
@@ -142,8 +179,11 @@ class NixlTransport:
         """Copy the peer's `remote_blocks` of `layers` into our `local_blocks` (K and V), as
         one transfer: its fixed costs (posting, the thread's turn, the Future) once, not per
         layer. `via`: the blocks of another layout of ours (a staging buffer) instead."""
-        args = (peer, layers, local_blocks, remote_blocks, notif, deadline)
-        return self._submit("READ", *args, via=via)
+        return self._submit(
+            TransferOrder(
+                "READ", peer, layers, local_blocks, remote_blocks, notif, deadline, via=via
+            )
+        )
 
     def read_layer(self, peer: str, layer: int, *args: Any, **kwargs: Any) -> TransferFuture:
         """`read_layers` of one layer."""
@@ -161,8 +201,11 @@ class NixlTransport:
         via: KVLayout | None = None,
     ) -> TransferFuture:
         """Copy our (or `via`'s) `local_blocks` of `layer` to the peer's, after `ready`."""
-        args = (peer, [layer], local_blocks, remote_blocks, notif, deadline)
-        return self._submit("WRITE", *args, ready, via)
+        return self._submit(
+            TransferOrder(
+                "WRITE", peer, [layer], local_blocks, remote_blocks, notif, deadline, ready, via
+            )
+        )
 
     def register(self, tensor: torch.Tensor) -> Any:
         """Register more local memory (a staging buffer); returns its handle."""
@@ -207,13 +250,20 @@ class NixlTransport:
         peer.last_used = time.monotonic()
         return peer
 
-    def _submit(self, op, peer, layers, here, there, notif, deadline, ready=None, via=None):
+    def _submit(self, order: TransferOrder) -> TransferFuture:
         start = time.perf_counter()
-        block_runs = runs(here, there)
+        block_runs = runs(order.local_blocks, order.remote_blocks)
         local, remote = transfer_descs(  # row i here is row i there
-            via or self.layout, self._peer(peer).layout, layers, block_runs, op == "READ"
+            order.via or self.layout,
+            self._peer(order.peer).layout,
+            order.layers,
+            block_runs,
+            order.op == "READ",
         )
-        job = TransferJob(op, peer, local, remote, notif, deadline, int(local[:, 1].sum()), ready)
+        num_bytes = int(local[:, 1].sum())
+        job = TransferJob(
+            order.op, order.peer, local, remote, order.notif, order.deadline, num_bytes, order.ready
+        )
         job.post_s = time.perf_counter() - start
         self._enqueue(job)
         return job.future
@@ -292,7 +342,7 @@ class NixlTransport:
         if len(job.local_descs) == 0:  # nothing to move: still deliver the notification
             if job.notif:
                 self._agent.send_notif(peer.layout.agent_name, job.notif)
-            job.future._is_settled = True
+            job.future.mark_settled()
             return job.future.set_result(TransferResult(0, 0.0, 0, job.post_s))
         start = time.perf_counter()
         local = self._agent.get_xfer_descs(job.local_descs, self.layout.mem_type)

@@ -14,11 +14,20 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from common.kv_transfer.base import KVLoss
-
 
 class KVTransferParamsError(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class KVLoss:
+    """Why a request's remote KV cannot be used: a metric label and a message for the client."""
+
+    reason: str  # read_failed | lease_expired | checksum_mismatch | push_incomplete | ...
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
 
 
 @dataclass(frozen=True)

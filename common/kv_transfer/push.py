@@ -22,6 +22,7 @@ from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.kv_transfer.base import Request
 from common.kv_transfer.holds import TransferGroup, TransferHolds
 from common.kv_transfer.params import PushTarget, push_target
 from common.kv_transfer.transfers import DescriptorHistogram
@@ -77,7 +78,7 @@ class PushTable:
     def __len__(self) -> int:
         return len(self._pushes)
 
-    def plan(self, req: Any, num_new: int) -> PushPlan | None:
+    def plan(self, req: Request, num_new: int) -> PushPlan | None:
         """This step's chunk of `req`, or None (not a push, or no block became full)."""
         target = push_target(req.kv_transfer_params)
         if target is None or req.num_output_tokens > 0:

@@ -78,6 +78,10 @@ class TransferFuture(Future):
     def is_settled(self) -> bool:
         return self._is_settled or self.cancelled()
 
+    def mark_settled(self, settled: bool = True) -> None:
+        """The transfer no longer touches its memory (or, False: may still, until released)."""
+        self._is_settled = settled
+
 
 @dataclass
 class TransferJob:
@@ -100,7 +104,7 @@ class TransferJob:
         """DONE: release the handle and report the result; True if settled (released)."""
         seconds = time.monotonic() - self.started
         settled = self.release()
-        self.future._is_settled = settled
+        self.future.mark_settled(settled)
         result = TransferResult(self.num_bytes, seconds, len(self.local_descs), self.post_s)
         self.future.set_result(result)
         return settled
@@ -109,7 +113,7 @@ class TransferJob:
         """Release the handle (aborting an in-flight transfer) and report `exc` unless the
         Future is done already; True if settled."""
         settled = self.release()
-        self.future._is_settled = settled
+        self.future.mark_settled(settled)
         if not self.future.done():
             self.future.set_exception(exc)
         return settled
@@ -132,7 +136,7 @@ class TransferJob:
                 logger.warning("releasing a %s handle with %s failed: %r", self.op, self.peer, e)
                 return False
             self.handle = None
-        self.future._is_settled = True
+        self.future.mark_settled()
         return True
 
 

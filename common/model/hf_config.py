@@ -1,4 +1,5 @@
-"""Parse an HF `config.json` into the one architecture description the decoder needs.
+"""Parse an HF `config.json` into the one architecture description the decoder needs
+(`ArchConfig`, common/arch_config.py).
 
 Supported: LlamaForCausalLM (incl. Llama 3 rope scaling), MistralForCausalLM (sliding window),
 Qwen2ForCausalLM (q/k/v bias), Qwen3ForCausalLM (q/k RMSNorm, explicit head_dim).
@@ -9,8 +10,9 @@ Both rope spellings are read: `rope_theta` + `rope_scaling` (hub configs) and `r
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
+
+from common.arch_config import ArchConfig, RopeScaling
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -22,46 +24,6 @@ SUPPORTED_ARCHITECTURES = (
 
 class ModelLoadError(ValueError):
     """A model folder that cannot be loaded; the message names the file and the problem."""
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3 frequency scaling (`rope_type: llama3`); absent for plain RoPE."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-
-@dataclass(frozen=True)
-class ArchConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: RopeScaling | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    sliding_window: int | None
-    qkv_bias: bool
-    qk_norm: bool
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
 
 def load_arch_config(model_dir: str | Path) -> ArchConfig:

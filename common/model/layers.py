@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from common.model.hf_config import RopeScaling
+from common.arch_config import RopeScaling
 
 
 class RMSNorm(nn.Module):

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.arch_config import ArchConfig
 from common.attention.layer import Attention
-from common.model.hf_config import ArchConfig
 from common.model.layers import RMSNorm, RotaryEmbedding
 from common.model.vocab_parallel import VocabParallelEmbedding
 from common.parallel.group import TPGroup, all_reduce

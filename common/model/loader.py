@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from common.model.hf_config import ArchConfig, ModelLoadError, load_arch_config
+from common.arch_config import ArchConfig
+from common.model.hf_config import ModelLoadError, load_arch_config
 from common.model.llama import LlamaForCausalLM
 from common.parallel.group import TPGroup
 from common.parallel.shard import TPShard

@@ -18,8 +18,8 @@ import os
 
 import torch
 
+from common.arch_config import ArchConfig
 from common.kv_transfer.layout import ShardTensors
-from common.model.hf_config import ArchConfig
 from common.parallel.shard import TPShard
 
 

@@ -1,13 +1,13 @@
 """Rank 0's handle on the other tensor-parallel ranks: start them, wait until each holds its
 shard, watch them, stop them.
 
-Ranks 1..N-1 are processes (`python -m common.parallel.rank SPEC`) started by the engine's own
-thread. Each takes its share of the CPU budget (`common.cpu.split_budget`: its torch threads,
-and with `pin_ranks` (the worker's --cpu-cores) its run of the cores; on CUDA it owns cuda:r),
-loads its shard of the weights, allocates its shard of the KV cache, and serves steps until it
-is told to stop. Rank 0 is the engine: its thread takes the first share (the event loop and
-tokenizer threads keep the process's mask). A worker that moves KV over NIXL shares every
-rank's KV cache with rank 0 (kv_shards.py).
+Ranks 1..N-1 are processes (`python -m MAIN SPEC`, MAIN the engine's common/engine/rank_main.py)
+started by the engine's own thread. Each takes its share of the CPU budget
+(`common.cpu.split_budget`: its torch threads, and with `pin_ranks` (the worker's --cpu-cores)
+its run of the cores; on CUDA it owns cuda:r), loads its shard of the weights, allocates its
+shard of the KV cache, and serves steps until it is told to stop. Rank 0 is the engine: its
+thread takes the first share (the event loop and tokenizer threads keep the process's mask). A
+worker that moves KV over NIXL shares every rank's KV cache with rank 0 (kv_shards.py).
 
 The ranks meet at a TCPStore that rank 0 serves on 127.0.0.1 (the ranks share a host); it
 closes once every rank has joined the group, whose gloo sockets listen on 127.0.0.1 too.
@@ -39,10 +39,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from common.arch_config import ArchConfig
 from common.config import EngineConfig
 from common.cpu import available_cores, split_budget
 from common.kv_transfer.layout import ShardTensors
-from common.model.hf_config import ArchConfig
 from common.parallel.group import TPGroup
 from common.parallel.kv_shards import SharedKVShards
 from common.parallel.plan import PlanChannel
@@ -88,10 +88,12 @@ class RankSpec:
 
 
 class RankProcesses:
-    def __init__(self, spec: RankSpec, timeout: float, shared: SharedKVShards | None = None):
-        """Start ranks 1..size-1 like `spec` (rank 0's); give the calling thread rank 0's share
-        of the CPU budget (given back by `stop`). With `shared`, each rank's KV cache is its
-        shard there."""
+    def __init__(
+        self, spec: RankSpec, timeout: float, main: str, shared: SharedKVShards | None = None
+    ):
+        """Start ranks 1..size-1 like `spec` (rank 0's), each `python -m main`; give the calling
+        thread rank 0's share of the CPU budget (given back by `stop`). With `shared`, each
+        rank's KV cache is its shard there."""
         self.shared = shared
         self.timeout = timeout
         self._store_server: dist.TCPStore | None = _loopback_store(spec.size, timeout)
@@ -117,7 +119,7 @@ class RankProcesses:
                 num_threads=threads,
                 kv_fd=shared.fds[rank] if shared else -1,
             )
-            self.procs[rank] = _spawn(own)
+            self.procs[rank] = _spawn(own, main)
         self._thread_id = threading.get_native_id()
         self._restore = (os.sched_getaffinity(0), torch.get_num_threads())
         if spec.pin:  # this thread; the OpenMP threads it starts inherit it
@@ -207,10 +209,12 @@ def start_ranks(
     dtype: torch.dtype,
     max_model_len: int,
     num_blocks: int,
+    main: str,
     share_kv_of: ArchConfig | None = None,
 ) -> RankProcesses:
-    """Start the ranks of an engine (rank 0) built from `config`; with `share_kv_of` (the
-    model's architecture), their KV caches are shared with rank 0 (kv_shards.py)."""
+    """Start the ranks of an engine (rank 0) built from `config`, each running the module
+    `main` (the engine names its own: the rank's forward loop sits above this package); with
+    `share_kv_of` (the model's architecture), their KV caches are shared with rank 0."""
     mc = config.model
     spec = RankSpec(
         rank=0,
@@ -234,7 +238,7 @@ def start_ranks(
     shared = share_kv_of and SharedKVShards(
         share_kv_of, spec.size, num_blocks, spec.block_size, dtype
     )
-    return RankProcesses(spec, config.parallel.tp_timeout, shared)
+    return RankProcesses(spec, config.parallel.tp_timeout, main, shared)
 
 
 def _loopback_store(size: int, timeout: float) -> dist.TCPStore:
@@ -254,9 +258,9 @@ def _loopback_store(size: int, timeout: float) -> dist.TCPStore:
     )
 
 
-def _spawn(spec: RankSpec) -> subprocess.Popen:
+def _spawn(spec: RankSpec, main: str) -> subprocess.Popen:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "common.parallel.rank", spec.to_json()]
+    cmd = [sys.executable, "-m", main, spec.to_json()]
     fds = [spec.kv_fd] if spec.kv_fd >= 0 else []
     return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, pass_fds=fds)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from common.model.hf_config import ArchConfig
+from common.arch_config import ArchConfig
 
 _COLUMN_Q = (".q_proj.",)
 _COLUMN_KV = (".k_proj.", ".v_proj.")

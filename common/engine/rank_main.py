@@ -1,7 +1,10 @@
 """A tensor-parallel rank other than 0: one shard of the weights and of every layer's KV cache,
 and a loop that runs the forward of each step rank 0 broadcasts.
 
-    python -m common.parallel.rank '<RankSpec as JSON>'   (started by launch.py, never by hand)
+    python -m common.engine.rank_main '<RankSpec as JSON>'   (started by parallel/launch.py)
+
+It lives beside the engine, not in parallel/: a rank runs a model forward (compiled or eager)
+as the engine does, and parallel/ stays the plumbing the engine stands on.
 
 The rank samples nothing and owns no block table: the plan (plan.py) says which tokens, slots
 and blocks the step touches, the forward's all-reduces keep every rank's hidden states equal,
