@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.bench_proxy import ensure_router, free_port
-from tests.servers import kv_sources, wait_until
+from benchmarks.vllm_cpu import ensure_router
+from tests.servers import free_port, kv_sources, wait_until
 from tests.tiny_models import VOCAB
 
 ROUTER_VERSION = "0.1.17"  # as benchmarks/bench_proxy.py measures it

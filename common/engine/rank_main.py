@@ -14,7 +14,6 @@ something fails (rank 0 gone included), and is killed with the engine thread tha
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import logging
 import os
@@ -35,20 +34,9 @@ from common.parallel.kv_shards import map_shard, shard_shape
 from common.parallel.launch import RankSpec
 from common.parallel.plan import PlanChannel
 from common.parallel.shard import TPShard
+from common.processes import die_with_parent
 
 logger = logging.getLogger(__name__)
-
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """SIGKILL when the thread that started this process ends (Linux); exit now if the parent
-    is already gone."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        sys.exit(1)
-
 
 def serve(spec: RankSpec) -> None:
     device = torch.device(spec.device)
@@ -94,7 +82,7 @@ def main(argv: list[str]) -> int:
         level=spec.log_level,
         format=f"%(asctime)s %(levelname)s tp-rank{spec.rank} %(name)s: %(message)s",
     )
-    die_with_parent(spec.parent_pid)
+    die_with_parent(spec.parent_pid, signal.SIGKILL)  # a step may be half done: no grace
     if spec.pin:
         pin_process(frozenset(spec.cores))
     set_torch_threads(spec.num_threads)

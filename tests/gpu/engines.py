@@ -76,8 +76,8 @@ class EngineSide:
         return {"backend": backend.name, "vocab_size": self.engine.arch.vocab_size}
 
     def peer_info(self) -> tuple[dict, bytes]:
-        transport = self.connector.transport
-        return transport.layout.to_dict(), transport.metadata()
+        info = self.connector.peer_info()
+        return info.layout, info.metadata
 
     def add_peer(self, layout: dict, metadata: bytes) -> None:
         self.connector.add_peer(layout, metadata)
@@ -125,16 +125,18 @@ class EngineSide:
             time.sleep(0.001)
 
     def stats(self) -> dict:
-        stats = {
-            k: dict(v) if isinstance(v, dict) else v for k, v in vars(self.connector.stats).items()
+        """The connector's totals (its stats snapshot) under the names the check reports."""
+        s = self.connector.stats_snapshot()
+        return {
+            "num_loads": s.num_loads,
+            "num_failed": s.num_load_failures,
+            "bytes_loaded": s.num_bytes_loaded,
+            "seconds_loading": s.seconds_loading,
+            "bytes_pushed": s.num_bytes_pushed,
+            "num_push_failures": s.num_push_failures,
+            "push_seconds": s.seconds_pushing,
+            "num_checksum_failures": s.num_checksum_failures,
         }
-        push = self.connector.pushes.stats
-        stats.update(
-            bytes_pushed=push.num_bytes,
-            num_push_failures=push.num_failures,
-            push_seconds=push.seconds,
-        )
-        return stats
 
     def transports(self) -> dict[str, dict]:
         """{peer agent: the UCX transports, and what UCX printed for each op} of the READs and
