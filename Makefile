@@ -1,4 +1,4 @@
-.PHONY: setup run test chaos soak interop lint
+.PHONY: setup run test coverage chaos soak interop lint
 
 setup:  ## set everything up, start a local cluster, ask it a question, stop it
 	bash deploy/setup.sh
@@ -8,6 +8,11 @@ run:  ## the local cluster in the foreground, proxy on :8000 (Ctrl-C stops it); 
 
 test:  ## lint and run the test suite (sets up first if needed)
 	bash deploy/test.sh -q
+
+coverage:  ## the suite under coverage.py, the workers it starts included; a report of the runtime packages
+	rm -rf .coverage-data && mkdir -p .coverage-data
+	-.venv/bin/python -m coverage run -m pytest -n 2 --dist loadfile -q -p no:cacheprovider $(ARGS)
+	.venv/bin/python -m coverage combine -q && .venv/bin/python -m coverage report --skip-covered
 
 chaos:  ## the chaos tests alone (kills, freezes and restarts of real workers; also in make test)
 	.venv/bin/python -m pytest tests/chaos -q

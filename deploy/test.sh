@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
 # Run the test suite (sets the environment up first when it is missing or out of date).
+#
+# The tests run on every core (pytest-xdist; PDSERVE_TEST_WORKERS overrides), one module per
+# pytest worker, so that a module's fixtures (its P, D and proxy processes) start once. The few
+# tests marked `serial` assert on latency under load and run afterwards, alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stamp=.venv/.installed
@@ -8,4 +12,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ deploy/setup.sh -nt
     touch "$stamp"
 fi
 .venv/bin/ruff check .
-exec .venv/bin/python -m pytest "$@"
+workers=${PDSERVE_TEST_WORKERS:-$(nproc)}
+status=0
+.venv/bin/python -m pytest -n "$workers" --dist loadfile -m "not serial" "$@" || status=$?
+serial=0
+.venv/bin/python -m pytest -p no:xdist -m serial "$@" || serial=$?
+# 5: nothing collected (a path given that holds no test of that phase) is no failure alone
+if [ "$status" -eq 5 ] && [ "$serial" -ne 5 ]; then status=0; fi
+if [ "$serial" -ne 0 ] && [ "$serial" -ne 5 ]; then status=$serial; fi
+exit "$status"

@@ -49,3 +49,23 @@ def tokenizer(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny_tokenizer")
     write_tiny_tokenizer(folder)
     return Tokenizer.from_dir(folder)
+
+
+# Modules that take a minute or more (pytest --durations): pytest-xdist hands out whole modules
+# (deploy/test.sh), and one of these started last would run on alone while the other cores idle.
+LONG_MODULES = (
+    "tests/chaos/test_chaos_long.py",
+    "tests/test_bf16_parity.py",
+    "tests/test_pd_tensor_parallel.py",
+    "tests/test_kv_peers.py",
+    "tests/test_tensor_parallel.py",
+    "tests/test_smollm2.py",
+    "tests/test_gpu_check.py",
+    "tests/test_default_model.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The long modules first, in the order above; the rest keep their order."""
+    rank = {path: i for i, path in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))

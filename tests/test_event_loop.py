@@ -10,8 +10,11 @@ import random
 import time
 
 import httpx
+import pytest
 
 from common.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.serial  # a 50 ms latency bound: not beside other tests' load
 
 MAX_HEALTH_SECONDS = 0.05
 

@@ -14,7 +14,7 @@ from tests.servers import wait_until
 from tests.test_pd_pull import complete, prefill, prompts
 
 NUM_CONCURRENT = 16
-NUM_RESTARTS = 20
+NUM_RESTARTS = 8  # a peer per incarnation would leave 8; one is the contract
 
 
 @pytest.fixture(scope="module")

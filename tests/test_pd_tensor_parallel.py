@@ -101,7 +101,9 @@ def test_a_block_size_the_transfer_cannot_bridge_is_refused_naming_both(
     start_server, tiny_model, workers
 ):
     args = ["--model", str(tiny_model("llama")), "--num-blocks", "64", "--max-model-len", "256"]
-    p = start_server("prefill", *args, "-tp", "2", "--block-size", "32")
+    # D refuses before it reads, so it never releases P's lease: P's blocks come back when the
+    # lease runs out, here in 5 s rather than the default minute
+    p = start_server("prefill", *args, "-tp", "2", "--block-size", "32", "--kv-lease-timeout", "5")
     body = bodies()[3]
     params = prefill(p, body)
     d = workers["d2"]

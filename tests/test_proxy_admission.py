@@ -319,6 +319,7 @@ def test_client_leaving_the_queue_or_a_stream_frees_its_slot(start_proxy, stubs)
     assert wait_until(lambda: proxy.metric(RUNNING) == 0)
 
 
+@pytest.mark.serial  # compares TTFTs: not beside other tests' load
 def test_a_flood_from_one_key_leaves_another_keys_ttft_within_2x(start_proxy, stubs):
     proxy = start_proxy(
         "--rate-limit", "flood=1:1", "--max-concurrency", "4", "--queue-timeout", "60",
