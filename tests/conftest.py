@@ -5,6 +5,11 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one torch thread in each test process and each worker it starts (they honour it, as torch
+    # does): with a pytest worker per core, OpenMP's spinning threads of two tests on one core
+    # made in-process models several times slower than alone
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
