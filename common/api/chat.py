@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
+from common.api.kv_params import resolve_kv_params
 from common.api.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -25,7 +26,6 @@ from common.api.serving import (
     final_kv_params,
     new_request_id,
     num_tokens_sent_before,
-    resolve_kv_params,
     respond,
     run_jobs,
     sse,

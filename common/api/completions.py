@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from common.api.errors import InvalidRequestError
+from common.api.kv_params import resolve_kv_params
 from common.api.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -28,7 +29,6 @@ from common.api.serving import (
     final_kv_params,
     new_request_id,
     num_tokens_sent_before,
-    resolve_kv_params,
     respond,
     run_jobs,
     sse,

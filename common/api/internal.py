@@ -1,4 +1,4 @@
-"""Internal routes of a worker (not part of the OpenAI surface) and the peer handshake.
+"""Internal routes of a worker (not part of the OpenAI surface).
 
 - `GET /internal/kv/handshake`: this worker's NIXL agent metadata, KV layout and compatibility
   hash, for a peer that will read from (or write to) its KV cache.
@@ -14,17 +14,14 @@
 With `--internal-token`, every internal route refuses a request without the header
 `X-Internal-Token: TOKEN` (401), and this worker sends it to its peers.
 
-`ensure_peer` runs on a decode worker before it admits a remote-prefill request: it handshakes
-with the prefill worker once per engine id (a restarted peer has a new id) and refuses an
-incompatible one with a message that names what differs.
+This worker's own handshake is served here; meeting a peer's (fetch, check, add) is
+common/kv_transfer/peers.py's, which a generation request reaches through api/kv_params.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 
-import httpx
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field, ValidationError
 
@@ -36,19 +33,16 @@ from common.api.errors import (
 )
 from common.api.http import json_body_openapi, read_json_body
 from common.api.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from common.api.server_config import TOKEN_HEADER
 from common.api.state import ServerState
 from common.credentials import is_same_secret
 from common.kv_cache.block_pool import NoFreeBlocksError
 from common.kv_transfer.handshake import (
     HandshakeInfo,
-    compat_fields,
     compat_hash,
     encode_metadata,
-    explain_mismatch,
+    local_compat,
 )
-from common.kv_transfer.params import KVTransferParamsError, RemotePrefill, push_target
-
-logger = logging.getLogger(__name__)
 
 
 class ReleaseRequest(BaseModel):
@@ -62,18 +56,10 @@ class ReserveRequest(BaseModel):
     chat: dict | None = None  # a client's /v1/chat/completions body
 
 
-TOKEN_HEADER = "X-Internal-Token"
-
-
 def check_internal_token(state: ServerState, request: Request) -> None:
     token = state.cfg.internal_token
     if token and not is_same_secret(request.headers.get(TOKEN_HEADER), token):
         raise AuthenticationError(f"internal routes need the cluster token ({TOKEN_HEADER})")
-
-
-def token_headers(state: ServerState) -> dict[str, str]:
-    token = state.cfg.internal_token
-    return {TOKEN_HEADER: token} if token else {}
 
 
 def local_handshake(state: ServerState) -> HandshakeInfo:
@@ -83,7 +69,7 @@ def local_handshake(state: ServerState) -> HandshakeInfo:
     info = engine.connector and engine.connector.peer_info()
     if info is None:
         raise NotFoundError("this worker has no KV connector (--kv-connector none)")
-    fields = _compat(engine)
+    fields = local_compat(engine.config, engine.arch)
     return HandshakeInfo(
         engine_id=engine.config.transfer.engine_id,
         protocol_version=fields["protocol_version"],
@@ -91,17 +77,6 @@ def local_handshake(state: ServerState) -> HandshakeInfo:
         compat=fields,
         layout=info.layout,
         agent_metadata=encode_metadata(info.metadata),
-    )
-
-
-def _compat(engine) -> dict:
-    return compat_fields(
-        engine.config.model.model_dir,
-        str(engine.config.model.torch_dtype),
-        engine.arch.num_layers,
-        engine.arch.num_kv_heads,
-        engine.arch.head_dim,
-        engine.config.cache.block_size,
     )
 
 
@@ -230,115 +205,3 @@ def _connector(state: ServerState):
     if connector is None:
         raise NotFoundError("this worker has no KV connector (--kv-connector none)")
     return engine, connector
-
-
-async def ensure_peer(state: ServerState, raw: dict) -> RemotePrefill | None:
-    """D, before admitting a remote-prefill request: the prefill worker is known (handshake
-    once per engine id). None when it cannot be reached and the policy recomputes locally."""
-    vocab_size = state.require_ready().engine.arch.vocab_size
-    try:
-        remote = RemotePrefill.parse(raw, vocab_size)
-    except KVTransferParamsError as e:
-        raise InvalidRequestError(str(e), param="kv_transfer_params") from e
-    _connector_for_params(state)
-    if remote.push_reservation_id:  # pushed: nothing to read from P
-        return remote
-    why = await handshake_with(
-        state, remote.remote_engine_id, remote.remote_host, remote.remote_port
-    )
-    return remote if why is None else _unreachable(state, remote, why)
-
-
-async def ensure_push_target(state: ServerState, raw: dict) -> None:
-    """P, before a push: the decode worker it writes into is known (handshake)."""
-    try:
-        target = push_target(raw)
-    except KVTransferParamsError as e:
-        raise InvalidRequestError(str(e), param="kv_transfer_params") from e
-    _connector_for_params(state)
-    why = await handshake_with(state, target.engine_id, target.host, target.port)
-    if why is not None:
-        raise UnavailableError(f"cannot push KV to the decode worker: {why}")
-
-
-def _connector_for_params(state: ServerState):
-    connector = state.require_ready().engine.connector
-    if connector is None:
-        raise InvalidRequestError(
-            "this worker has no KV connector for kv_transfer_params", param="kv_transfer_params"
-        )
-    return connector
-
-
-class Handshakes:
-    """One handshake in flight per host:port (concurrent first requests share it) and the
-    engine id last met there: a new one retires the old (a restarted peer)."""
-
-    def __init__(self) -> None:
-        self.pending: dict[tuple[str, int], asyncio.Future] = {}
-        self.engine_at: dict[tuple[str, int], str] = {}
-
-
-def _handshakes(state: ServerState) -> Handshakes:
-    if not hasattr(state, "handshakes"):
-        state.handshakes = Handshakes()
-    return state.handshakes
-
-
-async def handshake_with(state: ServerState, engine_id: str, host: str, port: int) -> str | None:
-    """Add the peer `engine_id` at host:port unless known; why it failed, or None. A peer whose
-    KV is incompatible is a 400 that names what differs."""
-    connector = state.require_ready().engine.connector
-    book, key = _handshakes(state), (host, port)
-    while not connector.has_peer(engine_id):
-        pending = book.pending.get(key)
-        if pending is None:
-            pending = asyncio.ensure_future(_handshake(state, engine_id, host, port))
-            book.pending[key] = pending
-            pending.add_done_callback(lambda done: book.pending.pop(key, None))
-        why = await asyncio.shield(pending)
-        if why is not None or book.engine_at.get(key) != engine_id:
-            return why or f"engine {engine_id} is gone ({host}:{port} serves another)"
-    return None
-
-
-async def _handshake(state: ServerState, engine_id: str, host: str, port: int) -> str | None:
-    engine = state.require_ready()
-    connector = engine.engine.connector
-    url = f"http://{host}:{port}/internal/kv/handshake"
-    try:
-        async with httpx.AsyncClient(timeout=5.0) as client:
-            r = await client.get(url, headers=token_headers(state))
-            r.raise_for_status()
-        info = HandshakeInfo.model_validate(r.json())
-    except (httpx.HTTPError, ValueError) as e:
-        return f"handshake with {url} failed: {e!r}"
-    if info.engine_id != engine_id:
-        return f"engine {engine_id} is gone ({url} now serves engine {info.engine_id})"
-    ours = _compat(engine.engine)
-    if info.compat_hash != compat_hash(ours):
-        raise InvalidRequestError(
-            f"engine {info.engine_id} is incompatible with this worker: "
-            f"{explain_mismatch(ours, info.compat)}",
-            param="kv_transfer_params",
-        )
-    await asyncio.wrap_future(engine.call(connector.add_peer, info.layout, info.metadata_bytes()))
-    state.metrics.handshakes.inc()
-    logger.info("handshake with engine %s at %s", info.engine_id, url)
-    book = _handshakes(state)
-    old = book.engine_at.get((host, port))
-    book.engine_at[(host, port)] = engine_id
-    if old not in (None, engine_id):
-        await asyncio.wrap_future(engine.call(connector.retire_peer, old))
-    return None
-
-
-def _unreachable(state: ServerState, remote: RemotePrefill, why: str) -> None:
-    # NOTE: a first token the client already has cannot be recomputed into the same stream
-    if state.engine.engine.config.transfer.failure_policy == "recompute" and not (
-        remote.first_token_streamed and remote.first_token_id is not None
-    ):
-        logger.warning("%s: computing the prompt locally", why)
-        state.metrics.recomputed.labels(reason="prefill_unreachable").inc()
-        return None
-    raise UnavailableError(f"the prompt's KV cannot be loaded: {why}")

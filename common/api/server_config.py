@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from common.cpu import CpuBudget
 from common.credentials import check_secret
 
+TOKEN_HEADER = "X-Internal-Token"  # carries internal_token between a cluster's workers
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -35,3 +37,8 @@ class ServerConfig:
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         check_secret("internal_token", self.internal_token)
+
+    @property
+    def internal_headers(self) -> dict[str, str]:
+        """What this worker sends to its peers' internal routes."""
+        return {TOKEN_HEADER: self.internal_token} if self.internal_token else {}

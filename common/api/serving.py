@@ -24,12 +24,10 @@ from common.api.errors import (
     ServerError,
     UnavailableError,
 )
-from common.api.internal import check_internal_token, ensure_peer, ensure_push_target
 from common.api.state import ServerState
 from common.engine.async_engine import AsyncEngine, EngineDeadError
 from common.engine.output import RequestOutput
 from common.engine.sampling_params import SamplingParams
-from common.kv_transfer.params import wants_remote_decode, wants_remote_prefill
 
 
 @dataclass(frozen=True)
@@ -256,20 +254,6 @@ async def collect(request: Request, outputs: AsyncIterator) -> list | None:
         return None
     consumer.result()
     return items
-
-
-async def resolve_kv_params(state: ServerState, raw: dict | None, request: Request) -> dict | None:
-    """The request's kv_transfer_params, once a remote prefill's peer is known (handshake);
-    None when the prompt will be computed here instead. With a cluster token they need it too:
-    they make this worker call the peer they name, token attached."""
-    if raw is not None:
-        check_internal_token(state, request)
-    if wants_remote_decode(raw) and raw.get("push_to"):
-        await ensure_push_target(state, raw)
-        return raw
-    if not wants_remote_prefill(raw):
-        return raw
-    return raw if await ensure_peer(state, raw) is not None else None
 
 
 def final_kv_params(items: list) -> dict | None:

@@ -1,6 +1,7 @@
 """What a worker's routes share (`ServerState`): its config, metrics, the engine once loaded,
-readiness, and the pool that runs blocking work off the event loop. The app (common/api/app.py)
-builds it; every route module imports it from here, so the imports point one way.
+its KV peers, readiness, and the pool that runs blocking work off the event loop. The app
+(common/api/app.py) builds it; every route module imports it from here, so the imports point
+one way.
 
 If the engine thread dies, the worker fails closed: requests (and `/health`) get 503 in
 OpenAI's shape, and `ENGINE_DEAD_LINGER_S` later the server is asked to exit (`request_exit`,
@@ -28,6 +29,8 @@ from common.api.server_config import ServerConfig
 from common.cpu import available_cores, format_cpu_list
 from common.engine.async_engine import AsyncEngine
 from common.engine.engine import LLMEngine
+from common.kv_transfer.handshake import local_compat
+from common.kv_transfer.peers import Peers
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,7 @@ class ServerState:
         self.metrics = ServerMetrics(cfg.role)
         self.ignored_fields = IgnoredFields(self.metrics.ignored_fields)
         self.engine: AsyncEngine | None = None
+        self.peers: Peers | None = None  # with the engine, when it has a KV connector
         self.model_name = cfg.served_model_name or "starting"
         self.load_error: BaseException | None = None
         self.is_draining = False
@@ -90,6 +94,7 @@ class ServerState:
             return
         if self.cfg.served_model_name is None:
             self.model_name = Path(engine.engine.config.model.model_dir).name
+        self.peers = self._peers(engine)
         self.engine = engine
         self.metrics.set_cpu(engine.num_threads, len(available_cores()))
         compile_seconds = engine.engine.runner.compile_seconds
@@ -101,6 +106,18 @@ class ServerState:
             engine.num_threads,
             format_cpu_list(available_cores()),
             f"compiled in {compile_seconds:.1f} s" if compile_seconds else "eager",
+        )
+
+    def _peers(self, engine: AsyncEngine) -> Peers | None:
+        llm = engine.engine
+        if llm.connector is None:
+            return None
+        return Peers(
+            llm.connector,
+            engine.call,
+            lambda: local_compat(llm.config, llm.arch),
+            self.cfg.internal_headers,
+            on_handshake=self.metrics.handshakes.inc,
         )
 
     def engine_died(self, error: BaseException) -> None:

@@ -39,7 +39,8 @@ Scheduler side (the engine calls these between steps, on the same thread):
 - `poll()`: between steps: notifications, lease expiry; `has_pending()` asks the engine loop to
   keep calling it while idle.
 
-Peers (the HTTP routes call these on the engine thread):
+Peers (`peers.Peers` meets them on the event loop, handshake and all, and adds and retires
+them on the engine thread; the HTTP routes serve `peer_info` and count `num_peers`):
 - `peer_info()`: what a peer needs to move KV with this worker (None: nothing to connect to).
 - `add_peer(layout, metadata)` / `has_peer(engine_id)` / `retire_peer(engine_id)` /
   `num_peers`: the workers this one moves KV with; `close()` ends every transfer.

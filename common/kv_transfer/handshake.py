@@ -13,8 +13,13 @@ import functools
 import hashlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from common.arch_config import ArchConfig
+    from common.config import EngineConfig
 
 PROTOCOL_VERSION = 3  # 2: push notifications per chunk (reservations.py); 3: TP shards
 
@@ -43,6 +48,18 @@ def compat_fields(
         "block_size": block_size,
         "protocol_version": PROTOCOL_VERSION,
     }
+
+
+def local_compat(config: EngineConfig, arch: ArchConfig) -> dict:
+    """This worker's compat fields. Reads the model folder the first time (blocking)."""
+    return compat_fields(
+        config.model.model_dir,
+        str(config.model.torch_dtype),
+        arch.num_layers,
+        arch.num_kv_heads,
+        arch.head_dim,
+        config.cache.block_size,
+    )
 
 
 @functools.cache

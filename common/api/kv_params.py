@@ -1,0 +1,93 @@
+"""A generation request's `kv_transfer_params`, made ready for the engine: `resolve_kv_params`,
+once per request.
+
+Params that name a peer (a prefill worker to read from, a decode worker to push into) are parsed
+strictly (400 if malformed) and the peer made known (`Peers.ensure`, common/kv_transfer/peers.py:
+a handshake the first time). A peer whose KV differs is a 400 that names what differs. A prefill
+worker that cannot be reached is computed here instead under `--kv-load-failure-policy
+recompute`, else a 503; a decode worker that cannot be pushed into is a 503.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+from fastapi import Request
+
+from common.api.errors import InvalidRequestError, UnavailableError
+from common.api.internal import check_internal_token
+from common.api.state import ServerState
+from common.kv_transfer.params import (
+    KVTransferParamsError,
+    RemotePrefill,
+    push_target,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
+from common.kv_transfer.peers import PeerIncompatible, Peers, PeerUnreachable
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+async def resolve_kv_params(state: ServerState, raw: dict | None, request: Request) -> dict | None:
+    """The request's kv_transfer_params, once the peer they name is known; None when the prompt
+    will be computed here instead. With a cluster token they need it too: they make this worker
+    call the peer they name, token attached."""
+    if raw is None:
+        return None
+    check_internal_token(state, request)
+    if wants_remote_decode(raw) and raw.get("push_to"):
+        target = _parse(push_target, raw)
+        why = await _reach(_peers(state), target.engine_id, target.host, target.port)
+        if why is not None:
+            raise UnavailableError(f"cannot push KV to the decode worker: {why}")
+        return raw
+    if not wants_remote_prefill(raw):
+        return raw
+    remote = _parse(RemotePrefill.parse, raw, state.require_ready().engine.arch.vocab_size)
+    peers = _peers(state)
+    if remote.push_reservation_id:  # pushed: nothing to read from P
+        return raw
+    why = await _reach(peers, remote.remote_engine_id, remote.remote_host, remote.remote_port)
+    return raw if why is None else _unreachable(state, remote, why)
+
+
+def _parse(parse: Callable[..., T], *args) -> T:
+    try:
+        return parse(*args)
+    except KVTransferParamsError as e:
+        raise InvalidRequestError(str(e), param="kv_transfer_params") from e
+
+
+def _peers(state: ServerState) -> Peers:
+    if state.peers is None:
+        raise InvalidRequestError(
+            "this worker has no KV connector for kv_transfer_params", param="kv_transfer_params"
+        )
+    return state.peers
+
+
+async def _reach(peers: Peers, engine_id: str, host: str, port: int) -> str | None:
+    """Why the peer cannot be reached, or None once it is known; 400 if incompatible."""
+    try:
+        await peers.ensure(engine_id, host, port)
+    except PeerIncompatible as e:
+        raise InvalidRequestError(str(e), param="kv_transfer_params") from e
+    except PeerUnreachable as e:
+        return str(e)
+    return None
+
+
+def _unreachable(state: ServerState, remote: RemotePrefill, why: str) -> None:
+    # NOTE: a first token the client already has cannot be recomputed into the same stream
+    if state.engine.engine.config.transfer.failure_policy == "recompute" and not (
+        remote.first_token_streamed and remote.first_token_id is not None
+    ):
+        logger.warning("%s: computing the prompt locally", why)
+        state.metrics.recomputed.labels(reason="prefill_unreachable").inc()
+        return None
+    raise UnavailableError(f"the prompt's KV cannot be loaded: {why}")
