@@ -84,7 +84,8 @@ class Peers:
             raise PeerUnreachable(
                 f"engine {engine_id} is gone ({url} now serves engine {info.engine_id})"
             )
-        ours = self.local_compat()
+        # the first call reads the model folder: off the event loop, as docs/reliability.md says
+        ours = await asyncio.to_thread(self.local_compat)
         if info.compat_hash != compat_hash(ours):
             raise PeerIncompatible(
                 f"engine {info.engine_id} is incompatible with this worker: "
