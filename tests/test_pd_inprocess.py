@@ -26,6 +26,11 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
 
 
+def num_recomputed(before, after, reason: str) -> int:
+    """Requests recomputed for `reason` between two stats snapshots of D."""
+    return after.recomputed.get(reason, 0) - before.recomputed.get(reason, 0)
+
+
 @pytest.fixture(scope="module")
 def model(tiny_model):
     return str(tiny_model("llama"))
@@ -190,7 +195,7 @@ def test_failed_read_fails_or_recomputes_by_policy(p, d):
         assert "KV read failed" in out["error"] and "did not arrive" in out["error"]
     else:
         assert out["error"] is None and tokens == colocated
-        assert after.recomputed.get("read_failed", 0) == before.recomputed.get("read_failed", 0) + 1
+        assert num_recomputed(before, after, "read_failed") == 1
     settle(p, d)
 
 
@@ -208,10 +213,7 @@ def test_checksum_mismatch_is_never_decoded(p, d):
         assert "checksum" in out["error"], out["error"]
     else:
         assert out["error"] is None and tokens == colocated
-        n = after.recomputed.get("checksum_mismatch", 0) - before.recomputed.get(
-            "checksum_mismatch", 0
-        )
-        assert n == 1
+        assert num_recomputed(before, after, "checksum_mismatch") == 1
     settle(p, d)
 
 
@@ -259,10 +261,7 @@ def test_blocks_reused_after_the_lease_are_caught_by_the_checksum(model, fabric,
         assert "checksum mismatch" in out["error"], out["error"]
     else:
         assert out["error"] is None and tokens == colocated
-        n = after.recomputed.get("checksum_mismatch", 0) - before.recomputed.get(
-            "checksum_mismatch", 0
-        )
-        assert n == 1
+        assert num_recomputed(before, after, "checksum_mismatch") == 1
     settle(short, d)
     d.connector.retire_peer(short.config.transfer.engine_id)
     short.connector.close()
