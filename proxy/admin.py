@@ -5,7 +5,9 @@ set they are refused, so an open proxy cannot be reconfigured by its clients.
 
 - `GET /admin/workers`: each with its `source` (`static`, `admin`, or `dns://NAME:PORT`)
 - `POST /admin/workers` `{"role": "prefill"|"decode", "url"}`: added, checked at once
-- `POST /admin/workers/drain` `{"url"}`: no new requests; running ones finish
+- `POST /admin/workers/drain` `{"url", "migrate"?}`: no new requests; running ones finish, or
+  with `"migrate": true` move at once to other decode workers and continue there
+  (proxy/migration.py)
 - `POST /admin/workers/remove` `{"url"}`: gone from routing (running requests finish, then its
   client closes). A worker found by DNS comes back while its address still resolves.
 
@@ -42,6 +44,10 @@ class AddWorker(BaseModel):
 
 class WorkerRef(BaseModel):
     url: str
+
+
+class DrainWorker(WorkerRef):
+    migrate: bool = False
 
 
 def install_admin_routes(app: FastAPI, proxy: Proxy) -> None:
@@ -108,12 +114,14 @@ def install_admin_routes(app: FastAPI, proxy: Proxy) -> None:
         worker = worker or await proxy.admit_worker(body.role, url, "admin")
         return await everywhere(request, body, worker.describe())
 
-    @app.post("/admin/workers/drain", openapi_extra=json_body_openapi(WorkerRef))
+    @app.post("/admin/workers/drain", openapi_extra=json_body_openapi(DrainWorker))
     async def drain_worker(request: Request):
-        body = await body_of(request, WorkerRef)
+        body = await body_of(request, DrainWorker)
         worker = proxy.find_worker(body.url)
         if worker is not None:
             worker.is_draining = True
+            if body.migrate:
+                proxy.orchestrator.inflight.cut(worker, "drain")
         return await everywhere(request, body, worker and worker.describe())
 
     @app.post("/admin/workers/remove", openapi_extra=json_body_openapi(WorkerRef))

@@ -70,6 +70,7 @@ class ProxyConfig:
     decode_timeout: float = 60.0  # the longest silence of a decode stream
     request_timeout: float = 600.0  # the longest wait for a non-streamed decode answer
     max_retries: int = 2  # more prefill workers tried after the first fails
+    migration_limit: int = 3  # times one request may move to another D when its D fails; 0: off
     health: HealthConfig = field(default_factory=HealthConfig)
     discovery_interval: float = 5.0  # seconds between resolutions of a dns:// entry
     dns_server: str | None = None  # IP[:PORT] asked instead of the system's resolver
@@ -117,6 +118,8 @@ class ProxyConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.min_disagg_tokens < 0 or self.max_retries < 0 or self.prefix_chars < 1:
             raise ValueError("min_disagg_tokens and max_retries must be >= 0, prefix_chars >= 1")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         timeouts = (self.connect_timeout, self.prefill_timeout, self.decode_timeout)
         if min(*timeouts, self.request_timeout) <= 0:
             raise ValueError("timeouts must be > 0 seconds")
@@ -226,6 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--decode-timeout", type=float, help="longest silence of a decode stream, seconds (60)")
     add("--request-timeout", type=float, help="longest wait for a non-streamed answer (600)")
     add("--max-retries", type=int, help="other prefill workers tried after a failure (2)")
+    add(
+        "--migration-limit",
+        type=int,
+        help="times a request whose decode worker fails moves to another one, continuing where "
+        "it stopped (3; 0: the stream ends with an error event)",
+    )
     add("--health-interval", type=float, help="seconds between health checks (2)")
     add("--health-timeout", type=float, help="timeout of one health check (1)")
     add("--health-failures", type=int, help="failed checks that eject a worker (2)")

@@ -1,15 +1,17 @@
-"""Calls in flight to each worker, so that a worker's ejection cuts them short.
+"""Calls and decode streams in flight to each worker, so that a worker's ejection cuts them short.
 
 A P that freezes would keep the prefills sent to it until `--prefill-timeout`. Once the active
 health checks eject it, `cut(worker)` ends every call waiting on it with `WorkerEjected` (an
 `UpstreamError`), and the orchestrator retries the request like any failed prefill. A call
 whose own request is cancelled (its client left) is cancelled as usual: the two never look alike.
+Decode streams register a callback (`watch`): an ejection, or a drain with migration
+(`cut(worker, "drain")`), calls it, and the stream moves to another worker (proxy/migration.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from proxy.upstream import WorkerEjected
@@ -21,6 +23,7 @@ T = TypeVar("T")
 class InFlight:
     def __init__(self) -> None:
         self._waiting: dict[Worker, set[asyncio.Future]] = {}  # resolved on the worker's ejection
+        self._streams: dict[Worker, set[Callable[[str], None]]] = {}  # called with the reason
 
     def num_calls(self, worker: Worker) -> int:
         return len(self._waiting.get(worker, ()))
@@ -50,12 +53,32 @@ class InFlight:
         await asyncio.gather(task, return_exceptions=True)  # its connection closed
         raise _ejected(worker, ejected.result())
 
-    def cut(self, worker: Worker) -> None:
-        """The worker was ejected: end every call waiting on it."""
+    def watch(self, worker: Worker, on_cut: Callable[[str], None]) -> Callable[[], None]:
+        """Call `on_cut(reason)` when the worker is cut; returns the function that stops it."""
+        streams = self._streams.setdefault(worker, set())
+        streams.add(on_cut)
+
+        def unwatch() -> None:
+            streams.discard(on_cut)
+            if not streams and self._streams.get(worker) is streams:
+                del self._streams[worker]
+
+        return unwatch
+
+    def cut(self, worker: Worker, reason: str = "ejected") -> None:
+        """The worker was ejected (or is drained by migration): end every call waiting on it,
+        and tell every stream from it."""
+        why = worker.last_error if reason == "ejected" else reason
         for ejected in self._waiting.pop(worker, ()):
             if not ejected.done():
-                ejected.set_result(worker.last_error)
+                ejected.set_result(why)
+        for on_cut in list(self._streams.pop(worker, ())):
+            on_cut(reason)
 
 
 def _ejected(worker: Worker, why: str | None) -> WorkerEjected:
+    if why == "drain":
+        e = WorkerEjected(worker, f"{worker.role} worker {worker.url} is drained by migration")
+        e.reason = "drain"
+        return e
     return WorkerEjected(worker, f"{worker.role} worker {worker.url} was ejected ({why})")

@@ -12,7 +12,11 @@ and `pdserve_proxy_queue_wait_seconds`. KV-aware routing (proxy/kv_routing.py):
 and `pdserve_proxy_prefix_query_blocks{role}` (the prompts' full blocks),
 `pdserve_proxy_kv_fallbacks_total{reason}`, `pdserve_proxy_render_seconds`,
 `pdserve_proxy_kv_index_blocks{role, url}`; and what P itself reports in each answer's usage:
-`pdserve_proxy_prefill_cached_tokens` of `pdserve_proxy_prefill_prompt_tokens`.
+`pdserve_proxy_prefill_cached_tokens` of `pdserve_proxy_prefill_prompt_tokens`. Migration
+(proxy/migration.py): `pdserve_proxy_migrations_total{reason}` (`connection`, `timeout`,
+`error_event`, `ejected`, `drain`, `truncated`), `pdserve_proxy_migrations_refused_total{reason}`
+(`limit`, `no_decode`, `untracked`, `batch`, `rejected`) and
+`pdserve_proxy_migration_recomputed_tokens_total`.
 """
 
 from __future__ import annotations
@@ -87,6 +91,26 @@ class ProxyMetrics:
 
         self._add_admission_metrics(r)
         self._add_kv_routing_metrics(r)
+        self._add_migration_metrics(r)
+
+    def _add_migration_metrics(self, r: CollectorRegistry) -> None:
+        self.migrations = Counter(
+            "pdserve_proxy_migrations",
+            "Choices of a request moved to another decode worker, by why its worker failed",
+            ["reason"],
+            registry=r,
+        )
+        self.migrations_refused = Counter(
+            "pdserve_proxy_migrations_refused",
+            "Failed decode streams that could not move (they end with an error event), by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.migration_recomputed = Counter(
+            "pdserve_proxy_migration_recomputed_tokens",
+            "Tokens recomputed on the worker that continues a moved request",
+            registry=r,
+        )
 
     def _add_admission_metrics(self, r: CollectorRegistry) -> None:
         self.admission_rejected = Counter(

@@ -12,8 +12,10 @@
   P's 4xx is the client's error, returned.
 - **Decode.** D gets the client's body plus P's `kv_transfer_params`. Streamed, P's first token
   goes to the client at once and D continues after it. A D that cannot be reached before any of
-  its bytes were sent is replaced by another (pull mode); a D that fails mid-stream ends the
-  stream with an error event. Whatever P still holds for a request that will not read it is
+  its bytes were sent is replaced by another (pull mode); a D that fails mid-stream hands each
+  unfinished choice to another D, which continues where the client's stream stopped
+  (proxy/migration.py); a non-streamed request whose D fails runs again on another D, up to
+  `--migration-limit` times. Whatever P still holds for a request that will not read it is
   released (leases expire anyway).
 """
 
@@ -35,10 +37,11 @@ from proxy.inflight import InFlight
 from proxy.kv_events import KVEventFeeds
 from proxy.kv_routing import KVRouter
 from proxy.metrics import ProxyMetrics
+from proxy.migration import ClientStream, MigratingRelay, Upstream
 from proxy.policies import create_policy
 from proxy.request import ProxyRequest
-from proxy.sse import EventStreamResponse, error_event, first_token_events, is_role_chunk
-from proxy.upstream import UpstreamError, error_message, open_stream, post_json
+from proxy.sse import EventStreamResponse, error_event, first_token_events
+from proxy.upstream import UpstreamError, WorkerEjected, error_message, open_stream, post_json
 from proxy.workers import Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -73,7 +76,7 @@ class Orchestrator:
             "decode": create_policy(cfg.decode_policy),
         }
         self.internal = {"X-Internal-Token": cfg.internal_token} if cfg.internal_token else {}
-        self._stream_timeout = httpx.Timeout(cfg.decode_timeout, connect=cfg.connect_timeout)
+        self.stream_timeout = httpx.Timeout(cfg.decode_timeout, connect=cfg.connect_timeout)
         self._prefill_timeout = httpx.Timeout(cfg.prefill_timeout, connect=cfg.connect_timeout)
         self._internal_timeout = httpx.Timeout(5.0, connect=cfg.connect_timeout)
         self._whole_timeout = httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout)
@@ -84,29 +87,31 @@ class Orchestrator:
     async def handle(self, req: ProxyRequest) -> Response:
         start = time.perf_counter()
         token_ids = await self.kv.prompt_tokens(req)  # None: no worker's KV events to route by
-        decode = self._choose("decode", req, token_ids=token_ids)
+        decode = self.choose("decode", req, token_ids=token_ids)
         path, reason = self._plan(req, decode, token_ids)
         prefilled = None
         if path == "disaggregated":
-            prefilled = await self._prefill(req, decode, token_ids)
+            prefilled = await self.prefill(req, decode, token_ids)
             if prefilled is None:
                 path, reason = "colocated", "prefill_failed"
         self.metrics.routed.labels(path, reason).inc()
         if not req.is_stream:
             return await self._decode_whole(req, decode, prefilled)
+        client = ClientStream(req)
         if (
             prefilled is not None
             and prefilled.has_first_token
             and self.cfg.first_token_from_prefill
             and req.can_stream_first_token
         ):
-            return _sse(self._stream_after_first(req, decode, prefilled, start))
+            return _sse(self._stream_after_first(req, decode, prefilled, start, client))
         try:
             resp, decode = await self._open_decode(req, decode, prefilled, first_sent=False)
         except UpstreamError as e:
-            self._give_back(prefilled)
+            self.give_back(prefilled)
             return upstream_error_response(e)
-        return _sse(self._relay(resp, decode, prefilled, start))
+        first = Upstream(resp, decode, tuple(client.choices), prefilled)
+        return _sse(self._relay(req, first, client, start))
 
     # -- plan and prefill ------------------------------------------------------------------------
     def _plan(
@@ -124,7 +129,7 @@ class Orchestrator:
             return "colocated", "cached_on_decode"
         return "disaggregated", self.cfg.mode
 
-    def _choose(
+    def choose(
         self,
         role: str,
         req: ProxyRequest,
@@ -139,18 +144,25 @@ class Orchestrator:
             return self.kv.choose(role, workers, token_ids, self.policies[role], key)
         return self.policies[role].choose(workers, key)
 
-    async def _prefill(
-        self, req: ProxyRequest, decode: Worker, token_ids: list[int] | None
+    async def prefill(
+        self,
+        req: ProxyRequest,
+        decode: Worker | None,
+        token_ids: list[int] | None,
+        push: bool = True,
     ) -> Prefilled | None:
+        """P's answer and where the KV is, or None when no P could give it (D computes it).
+        `push` False (or no `decode`): D pulls it, whatever the mode."""
         tried: tuple[Worker, ...] = ()
         for attempt in range(1 + self.cfg.max_retries):
             if not self.pools["prefill"].routable(exclude=tried):
                 return None
-            worker = self._choose("prefill", req, tried, token_ids)
+            worker = self.choose("prefill", req, tried, token_ids)
             tried += (worker,)
             if attempt:
                 self.metrics.retries.labels("prefill").inc()
-            push_to = await self._reserve(req, decode) if self.cfg.mode == "push" else None
+            pushing = push and decode is not None and self.cfg.mode == "push"
+            push_to = await self._reserve(req, decode) if pushing else None
             started = time.perf_counter()
             try:
                 worker.num_outstanding += 1
@@ -161,7 +173,7 @@ class Orchestrator:
                         worker, post_json(worker, req.path, body, headers, self._prefill_timeout)
                     )
             except UpstreamError as e:
-                self._failed(e)
+                self.failed(e)
                 if push_to is not None:
                     self._release(decode, {"reservation_id": push_to["reservation_id"]})
                 if e.is_client_error:
@@ -193,31 +205,69 @@ class Orchestrator:
 
     # -- decode ----------------------------------------------------------------------------------
     def _decode_content(self, req: ProxyRequest, prefilled: Prefilled | None, first_sent: bool):
+        track = self.cfg.migration_limit > 0 and req.is_stream  # the ids a migration carries
         if prefilled is None:
-            return req.decode_body(None)
+            return req.decode_body(None, track)
         params = dict(prefilled.params)
         if first_sent:
             params["first_token_streamed"] = True
         elif req.wants_logprobs:  # P's token has no logprobs: D recomputes the last prompt token
             params.pop("first_token_id", None)
-        return req.decode_body(params)
+        return req.decode_body(params, track)
 
     async def _decode_whole(
         self, req: ProxyRequest, decode: Worker, prefilled: Prefilled | None
     ) -> Response:
+        """D's whole answer. A D that fails before answering (a reset, a timeout, a 5xx, an
+        ejection or a drain with migration) is replaced by another, which runs the request
+        again from its prompt alone, up to `--migration-limit` times."""
         content = self._decode_content(req, prefilled, first_sent=False)
-        try:  # NOTE: D answers only once it has generated everything: the whole wait is a read
-            resp, decode = await self._open_decode(
-                req, decode, prefilled, content=content, timeout=self._whole_timeout
-            )
-        except UpstreamError as e:
-            self._give_back(prefilled)
-            return upstream_error_response(e)
+        failed: tuple[Worker, ...] = ()
+        while True:
+            try:
+                return await self.inflight.call(
+                    decode, self._answer_whole(req, decode, prefilled, content)
+                )
+            except UpstreamError as e:
+                self.give_back(prefilled)
+                if isinstance(e, WorkerEjected):
+                    self.failed(e)
+                failed += (e.worker,)
+                reason = _migration_reason(e)
+                refusal = self._whole_refusal(e, len(failed))
+                if refusal is not None:
+                    if reason is not None:
+                        self.metrics.migrations_refused.labels(refusal).inc()
+                    return upstream_error_response(e)
+                decode = self.choose("decode", req, failed)
+                self.metrics.migrations.labels(reason).inc()
+                self.metrics.migration_recomputed.inc(req.estimated_tokens())
+                logger.warning(
+                    "request %s runs again on %s (%s)", req.request_id, decode.url, reason
+                )
+                prefilled, content = None, req.decode_body(None)
+
+    def _whole_refusal(self, e: UpstreamError, num_failed: int) -> str | None:
+        """Why a non-streamed request whose D failed does not run again elsewhere, or None."""
+        if _migration_reason(e) is None:
+            return "not_a_failure"  # the request's own fault, or a worker never reached
+        if num_failed > self.cfg.migration_limit:
+            return "limit"
+        if not self.pools["decode"].routable(exclude=(e.worker,)):
+            return "no_decode"
+        return None
+
+    async def _answer_whole(
+        self, req: ProxyRequest, decode: Worker, prefilled: Prefilled | None, content: bytes
+    ) -> Response:
+        # NOTE: D answers only once it has generated everything: the whole wait is a read
+        resp, decode = await self._open_decode(
+            req, decode, prefilled, content=content, timeout=self._whole_timeout
+        )
         try:
             body = await resp.aread()
         except httpx.HTTPError as e:
-            self._give_back(prefilled)
-            return upstream_error_response(UpstreamError(decode, f"decode failed: {e!r}"))
+            raise UpstreamError(decode, f"decode failed: {e!r}") from e
         finally:
             decode.num_outstanding -= 1
             await resp.aclose()
@@ -244,95 +294,77 @@ class Orchestrator:
             try:
                 headers = {"X-Request-Id": req.request_id, **self.internal}
                 return await open_stream(
-                    decode, req.path, content, headers, timeout or self._stream_timeout
+                    decode, req.path, content, headers, timeout or self.stream_timeout
                 ), decode
             except BaseException as e:  # the client leaving (cancelled) included
                 decode.num_outstanding -= 1
                 if not isinstance(e, UpstreamError):
                     raise
-                self._failed(e)
+                self.failed(e)
                 others = self.pools["decode"].routable(exclude=tried)
-                retry = e.is_connect and can_switch and len(tried) <= self.cfg.max_retries
+                # NOTE: a 503 before any byte: a D that drains (or stops) takes nothing new
+                refused = e.is_connect or e.status == 503
+                retry = refused and can_switch and len(tried) <= self.cfg.max_retries
                 if not (retry and others):
                     raise
                 self.metrics.retries.labels("decode").inc()
-                decode = self._choose("decode", req, tried)
+                decode = self.choose("decode", req, tried)
 
     async def _stream_after_first(
-        self, req: ProxyRequest, decode: Worker, prefilled: Prefilled, start: float
+        self,
+        req: ProxyRequest,
+        decode: Worker,
+        prefilled: Prefilled,
+        start: float,
+        client: ClientStream,
     ) -> AsyncIterator[bytes]:
-        yield first_token_events(req.is_chat, req.request_id, prefilled.answer, req.body)
+        first = first_token_events(req.is_chat, req.request_id, prefilled.answer, req.body)
+        client.first_token(first, prefilled.params.get("first_token_id"))
+        yield first
         self.metrics.ttft.observe(time.perf_counter() - start)
         try:
             resp, decode = await self._open_decode(req, decode, prefilled, first_sent=True)
         except UpstreamError as e:
-            self._give_back(prefilled)
+            self.give_back(prefilled)
             self.metrics.stream_errors.inc()
             yield error_event(error_message(e.body) or e.message, e.status or 502)
             return
         except Exception:  # noqa: BLE001 — a bug: the stream still ends clearly
             logger.exception("reaching decode worker %s failed", decode.url)
-            self._give_back(prefilled)
+            self.give_back(prefilled)
             self.metrics.stream_errors.inc()
             yield error_event("internal error in the proxy", 500)
             return
         except BaseException:  # the client went away while D was being reached
-            self._give_back(prefilled)
+            self.give_back(prefilled)
             raise
-        async with aclosing(self._relay(resp, decode, prefilled, None, req.is_chat)) as rest:
-            async for chunk in rest:
+        rest = self._relay(req, Upstream(resp, decode, (0,), prefilled), client, None)
+        async with aclosing(rest) as chunks:
+            async for chunk in chunks:
                 yield chunk
 
     async def _relay(
-        self,
-        resp: httpx.Response,
-        decode: Worker,
-        prefilled: Prefilled | None,
-        start: float | None,
-        skip_role: bool = False,
+        self, req: ProxyRequest, first: Upstream, client: ClientStream, start: float | None
     ) -> AsyncIterator[bytes]:
-        """D's bytes to the client, as they come; an error event if D fails mid-stream."""
-        finished = False
-        pending = b""
-        try:
-            async for chunk in resp.aiter_raw():
-                if skip_role:  # the client already has the role, with P's token
-                    pending += chunk
-                    head, sep, rest = pending.partition(b"\n\n")
-                    if not sep:
-                        continue
-                    skip_role = False
-                    chunk = rest if is_role_chunk(head) else pending
-                if start is not None:
-                    self.metrics.ttft.observe(time.perf_counter() - start)
-                    start = None
-                if chunk:
-                    yield chunk
-            finished = True
-        except Exception as e:  # noqa: BLE001 — httpx's errors, and a bug: a clear end
-            if isinstance(e, httpx.HTTPError):
-                logger.warning("decode worker %s failed mid-stream: %r", decode.url, e)
-            else:
-                logger.exception("relaying decode worker %s failed", decode.url)
-            self.metrics.stream_errors.inc()
-            finished = True
-            self._give_back(prefilled)
-            yield error_event(f"the decode worker failed mid-stream: {type(e).__name__}")
-        finally:
-            decode.num_outstanding -= 1
-            if not finished:  # the client went away: D sees its stream close and aborts
-                self.metrics.disconnects.inc()
-                self._give_back(prefilled)
-            self._spawn(resp.aclose())
+        """D's events to the client as they come; a failed D's choices move to another
+        (proxy/migration.py), or the stream ends with an error event."""
+
+        def first_byte() -> None:
+            self.metrics.ttft.observe(time.perf_counter() - start)
+
+        relay = MigratingRelay(self, req, client)
+        async with aclosing(relay.run(first, None if start is None else first_byte)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     # -- failures and clean-up -------------------------------------------------------------------
-    def _failed(self, e: UpstreamError) -> None:
+    def failed(self, e: UpstreamError) -> None:
         self.metrics.upstream_errors.labels(e.worker.role, e.kind).inc()
         if e.is_connect:
             logger.warning("ejecting %s worker %s: %s", e.worker.role, e.worker.url, e.message)
             e.worker.eject(e.message)
 
-    def _give_back(self, prefilled: Prefilled | None) -> None:
+    def give_back(self, prefilled: Prefilled | None) -> None:
         """Free what a request that will not be decoded holds on P (pull) or D (push)."""
         if prefilled is None:
             return
@@ -344,7 +376,7 @@ class Orchestrator:
             self._release(prefilled.worker, {"request_id": rid})
 
     def _release(self, worker: Worker, payload: dict) -> None:
-        self._spawn(self._post_quietly(worker, "/internal/kv/release", payload))
+        self.spawn(self._post_quietly(worker, "/internal/kv/release", payload))
 
     async def _post_quietly(self, worker: Worker, path: str, payload: dict) -> None:
         try:
@@ -352,7 +384,7 @@ class Orchestrator:
         except UpstreamError as e:  # the lease or reservation expires anyway
             logger.info("%s", e.message)
 
-    def _spawn(self, coro) -> None:
+    def spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -383,6 +415,18 @@ def upstream_error_response(e: UpstreamError) -> Response:
         status_code=int(err.status_code),
         media_type="application/json",
     )
+
+
+def _migration_reason(e: UpstreamError) -> str | None:
+    """Why a D failed a request that another D can take: None for the request's own fault
+    (a 4xx) and for a D never reached (already retried on another, proxy/orchestrator.py)."""
+    if isinstance(e, WorkerEjected):
+        return "drain" if e.reason == "drain" else "ejected"
+    if e.is_client_error or e.is_connect or e.status in (401, 403):
+        return None
+    if e.kind == "timeout":
+        return "timeout"
+    return "error_event" if e.status is not None else "connection"
 
 
 def _sse(body) -> EventStreamResponse:

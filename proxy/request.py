@@ -29,11 +29,11 @@ class ProxyRequest:
     @classmethod
     def parse(cls, path: str, raw: bytes, request_id: str) -> ProxyRequest:
         body = parse_json_object(raw)
-        if body.get("kv_transfer_params") is not None:
-            raise InvalidRequestError(
-                "kv_transfer_params are set by the proxy, not by clients",
-                param="kv_transfer_params",
-            )
+        for name in ("kv_transfer_params", "resume"):
+            if body.get(name) is not None:
+                raise InvalidRequestError(
+                    f"{name} are set by the proxy, not by clients", param=name
+                )
         return cls(path, body, raw, request_id)
 
     @property
@@ -101,10 +101,18 @@ class ProxyRequest:
             body["kv_transfer_params"]["push_to"] = push_to
         return body
 
-    def decode_body(self, kv_transfer_params: dict | None) -> bytes:
-        if kv_transfer_params is None:
+    def decode_body(self, kv_transfer_params: dict | None, track: bool = False) -> bytes:
+        """To D: the client's body, P's params added; `track`: with the token ids of every
+        chunk, which a migration carries over (proxy/migration.py removes them again)."""
+        has_ids = self.body.get("return_token_ids") is True
+        if kv_transfer_params is None and (has_ids or not track):
             return self.raw
-        return json.dumps({**self.body, "kv_transfer_params": kv_transfer_params}).encode()
+        body = dict(self.body)
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        if track:
+            body["return_token_ids"] = True
+        return json.dumps(body).encode()
 
     def reserve_body(self) -> dict:
         """To D before a push: the request, which D tokenizes to size the reservation."""

@@ -1,6 +1,6 @@
 """Server-sent events the proxy writes itself: P's first token as the stream's first chunk(s),
-and an error event when an upstream fails after the stream has begun. Everything else is D's
-bytes, passed through unparsed.
+and an error event when an upstream fails after the stream has begun. D's events pass through
+proxy/migration.py, which reads them.
 """
 
 from __future__ import annotations
@@ -56,18 +56,6 @@ def first_token_events(is_chat: bool, request_id: str, answer: dict, body: dict)
             out["prompt_token_ids"] = choice["prompt_token_ids"]
     head = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created}
     return event({**head, "model": model, "choices": [out]})
-
-
-def is_role_chunk(raw_event: bytes) -> bool:
-    """A chat stream's opening chunk that carries only the role (D sends one too)."""
-    if not raw_event.startswith(b"data: {"):
-        return False
-    try:
-        payload = json.loads(raw_event[len(b"data: ") :])
-    except ValueError:
-        return False
-    choices = payload.get("choices") or []
-    return len(choices) == 1 and choices[0].get("delta") == {"role": "assistant", "content": ""}
 
 
 class EventStreamResponse(Response):

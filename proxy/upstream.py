@@ -40,24 +40,34 @@ class UpstreamError(Exception):
     def is_client_error(self) -> bool:
         """The request itself is wrong: another worker would refuse it too. (A 401 or 403 is the
         proxy's own: its --internal-token does not match the workers'.)"""
-        return self.status is not None and 400 <= self.status < 500 and self.status not in (
-            401,
-            403,
-            408,
-            429,
+        return (
+            self.status is not None
+            and 400 <= self.status < 500
+            and self.status
+            not in (
+                401,
+                403,
+                408,
+                429,
+            )
         )
 
     @property
     def kind(self) -> str:
         if self.is_connect:
             return "connect"
-        return "timeout" if self.status is None and "timed out" in self.message else (
-            f"http_{self.status}" if self.status else "transport"
+        return (
+            "timeout"
+            if self.status is None and "timed out" in self.message
+            else (f"http_{self.status}" if self.status else "transport")
         )
 
 
 class WorkerEjected(UpstreamError):
-    """The health checks ejected the worker while this call waited on it (proxy/inflight.py)."""
+    """The health checks ejected the worker while this call waited on it, or it was drained
+    with migration (`reason` "drain"; proxy/inflight.py)."""
+
+    reason: str = "ejected"
 
     @property
     def kind(self) -> str:

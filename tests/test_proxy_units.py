@@ -15,7 +15,7 @@ import uvicorn
 from proxy.config import from_dict, parse_args
 from proxy.policies import LeastOutstanding, PowerOfTwo, PrefixAware, RoundRobin
 from proxy.request import CHAT_PATH, COMPLETIONS_PATH, ProxyRequest
-from proxy.sse import first_token_events, is_role_chunk
+from proxy.sse import first_token_events
 from proxy.transport import LeanTransport
 from proxy.workers import Worker
 
@@ -118,13 +118,13 @@ def test_first_token_events_look_like_a_workers_stream():
               "token_ids": [42]}], "prompt_token_ids": [1, 2]}  # fmt: skip
     events = first_token_events(True, "rid", answer, {"return_token_ids": True}).split(b"\n\n")
     role, content = (json.loads(e[len(b"data: ") :]) for e in events[:2])
-    assert is_role_chunk(events[0]) and role["id"] == "chatcmpl-rid"
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert role["id"] == "chatcmpl-rid"
     assert role["prompt_token_ids"] == [1, 2]
     assert content["choices"][0]["delta"] == {"content": "Hel"}
     assert content["choices"][0]["token_ids"] == [42]
     text = first_token_events(False, "rid", {"choices": [{"text": "Hel"}]}, {})
     assert json.loads(text[len(b"data: ") :])["choices"][0]["text"] == "Hel"
-    assert not is_role_chunk(text)
 
 
 async def _chunked_app(scope, receive, send):
@@ -272,3 +272,41 @@ def test_merged_metrics_sum_amounts_and_take_the_largest_view():
     assert values["pdserve_proxy_workers"] == 2
     assert values["pdserve_proxy_outstanding"] == 5
     assert values["pdserve_proxy_requests_total"] == 12
+
+
+def test_client_stream_tracks_what_the_client_has_and_rewrites_a_continuation():
+    from proxy.migration import ClientStream
+
+    raw = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2,
+                      "stream_options": {"include_usage": True}}).encode()  # fmt: skip
+    client = ClientStream(ProxyRequest.parse(CHAT_PATH, raw, "rid"))
+    head = {"id": "chatcmpl-rid", "created": 5, "object": "chat.completion.chunk"}
+    role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+    first = client.rewrite({**head, "prompt_token_ids": [1, 2], "choices": [role]})
+    assert "prompt_token_ids" not in first and first["choices"] == [role]  # not asked for
+    text = {"index": 1, "delta": {"content": "héllo"}, "token_ids": [7, 8]}
+    assert client.rewrite({**head, "choices": [text]})["choices"][0] == {
+        "index": 1, "delta": {"content": "héllo"}}  # fmt: skip
+    assert client.choices[1].token_ids == [7, 8] and client.choices[1].num_chars == 5
+    client.num_migrations = 1  # choice 0 continues elsewhere: its role again, a new created
+    again = {"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": []}
+    assert client.rewrite({**head, "created": 9, "choices": [again]}) is None
+    done = {"index": 0, "delta": {"content": "x"}, "token_ids": [3], "finish_reason": "length"}
+    out = client.rewrite({**head, "created": 9, "choices": [done]})
+    assert out["created"] == 5 and out["id"] == "chatcmpl-rid"
+    assert client.unfinished == [1] and client.choices[0].token_ids == [3]
+    usage = {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    assert client.rewrite({**head, "created": 9, "choices": [], "usage": usage}) is None
+    written = json.loads(client.usage_event()[len(b"data: ") :])
+    assert written["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert written["created"] == 5 and written["choices"] == []
+
+
+def test_client_stream_without_token_ids_cannot_move():
+    from proxy.migration import ClientStream
+
+    client = ClientStream(ProxyRequest.parse(COMPLETIONS_PATH, b'{"prompt": "a"}', "r"))
+    client.rewrite({"id": "c", "created": 1, "choices": [{"index": 0, "text": "b"}]})
+    assert not client.is_tracked
+    batch = ClientStream(ProxyRequest.parse(COMPLETIONS_PATH, b'{"prompt": ["a", "b"]}', "r"))
+    assert not batch.is_tracked

@@ -1,0 +1,408 @@
+"""Decode streams that outlive their worker: a request whose D fails mid-stream continues on
+another D, and the client sees one uninterrupted stream (docs/design.md, "Migration").
+
+- **What the client has.** `ClientStream` reads every event D sends before passing it on: per
+  choice, the token ids (D is always asked for `return_token_ids`; they are removed again unless
+  the client asked), the characters of text and whether it finished; the stream's `id` and
+  `created` (a continuation's events are rewritten to the first ones); the chat role (sent once
+  per choice).
+- **When a D fails.** A connection error or reset, silence past `--decode-timeout`, an error
+  event with a 5xx (a worker drained with `--drain-migrate` sends one), a stream that ends
+  before its choices did, an ejection by the health checks, or `POST /admin/workers/drain`
+  with `migrate` (both through `InFlight.cut`). Each unfinished choice then goes to another D as
+  its own request (n = 1) with `resume`: the choice's index, its token ids and the characters
+  the client has. Prompt + tokens are computed on P and pulled by D, by the rule of a new
+  request (`--min-disagg-tokens`; pulled even in push mode), else on D itself; D continues
+  exactly (stop strings, penalties, min/max tokens, the detokenizer's state, the seed's draws:
+  common/engine/engine.py).
+- **Usage.** Without a migration D's usage chunk passes as is; after one, the proxy writes it:
+  the prompt once (as D counts it) and every completion token the client received.
+- **Refusals.** No other D, `--migration-limit` reached, a request whose tokens are not known
+  (a D that sent no token ids, a batch of prompts): the stream ends with today's error event,
+  never with an answer that claims success.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import httpx
+
+from common.api.errors import APIError, UnavailableError
+from proxy.request import COMPLETIONS_PATH, ProxyRequest
+from proxy.sse import DONE, error_event, event
+from proxy.upstream import UpstreamError, error_message, open_stream
+from proxy.workers import Worker
+
+if TYPE_CHECKING:
+    from proxy.orchestrator import Orchestrator, Prefilled
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Choice:
+    token_ids: list[int] = field(default_factory=list)  # the client has them
+    num_chars: int = 0  # characters of text the client has
+    is_finished: bool = False
+    has_role: bool = False  # chat: the client has this choice's role
+
+
+class Refused(Exception):
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+class ClientStream:
+    """What the client has received, and D's events rewritten for it (see the module's doc)."""
+
+    def __init__(self, req: ProxyRequest):
+        n = req.body.get("n")
+        self.choices = {i: Choice() for i in range(n if isinstance(n, int) and n > 1 else 1)}
+        self.is_chat = req.is_chat
+        self.wants_ids = req.body.get("return_token_ids") is True
+        options = req.body.get("stream_options")
+        self.wants_usage = isinstance(options, dict) and options.get("include_usage") is True
+        self.usage_sent = False
+        self.id: str | None = None
+        self.created: int | None = None
+        self.is_tracked = not req.is_batch  # every choice's token ids are known
+        self.prompt_token_ids: list[int] | None = None
+        self.usage: dict | None = None  # the last usage D reported
+        self.num_migrations = 0
+
+    def first_token(self, answer_events: bytes, token_id: int | None) -> None:
+        """P's first token, sent by the proxy itself (proxy/sse.py `first_token_events`)."""
+        for raw in answer_events.split(b"\n\n"):
+            if raw.startswith(b"data: {"):
+                self.rewrite(json.loads(raw[6:]))
+        self.choices[0].token_ids = [] if token_id is None else [token_id]
+        self.is_tracked = self.is_tracked and token_id is not None
+
+    @property
+    def unfinished(self) -> list[int]:
+        return [i for i, c in self.choices.items() if not c.is_finished]
+
+    def rewrite(self, payload: dict) -> dict | None:
+        """A chunk from D as the client gets it; None: nothing left to send (a second role)."""
+        self.id = self.id or payload.get("id")
+        self.created = self.created or payload.get("created")
+        payload["id"], payload["created"] = self.id, self.created
+        self._prompt_ids(payload)
+        if payload.get("usage") is not None:
+            self.usage = payload["usage"]
+        choices = payload.get("choices")
+        if not choices:
+            if self.num_migrations and payload.get("usage") is not None:
+                return None  # written at the end (`usage_event`)
+            self.usage_sent = self.usage_sent or payload.get("usage") is not None
+            return payload
+        payload["choices"] = [c for c in map(self._choice, choices) if c is not None]
+        return payload if payload["choices"] or payload.get("usage") else None
+
+    def _prompt_ids(self, holder: dict) -> None:
+        ids = holder.get("prompt_token_ids")
+        if ids is None:
+            return
+        if self.prompt_token_ids is None:
+            self.prompt_token_ids = ids
+            if self.wants_ids:
+                return
+        del holder["prompt_token_ids"]  # sent once, and only when asked for
+
+    def _choice(self, raw: dict) -> dict | None:
+        choice = self.choices.get(raw.get("index"))
+        if choice is None:  # not a choice of this request (a batch's prompt > 0): passed on
+            self._prompt_ids(raw)
+            return raw
+        self._prompt_ids(raw)
+        ids = raw.get("token_ids") if self.wants_ids else raw.pop("token_ids", None)
+        if self.is_chat:
+            delta = raw.get("delta") or {}
+            if "role" in delta:
+                if choice.has_role:
+                    del delta["role"]
+                    if not delta.get("content") and _is_bare(raw, delta):
+                        return None
+                choice.has_role = True
+            text = delta.get("content")
+        else:
+            text = raw.get("text")
+        if ids is None and text:
+            self.is_tracked = False  # a D that does not say its token ids: no migration
+        choice.token_ids.extend(ids or ())
+        choice.num_chars += len(text or "")
+        choice.is_finished = choice.is_finished or raw.get("finish_reason") is not None
+        return raw
+
+    def usage_event(self) -> bytes | None:
+        """After a migration: the usage chunk, the prompt once and every completion token."""
+        if self.usage is None and self.prompt_token_ids is None:
+            return None
+        prompt = (self.usage or {}).get("prompt_tokens", len(self.prompt_token_ids or ()))
+        completion = sum(len(c.token_ids) for c in self.choices.values())
+        usage = {**(self.usage or {}), "prompt_tokens": prompt, "completion_tokens": completion}
+        usage["total_tokens"] = prompt + completion
+        kind = "chat.completion.chunk" if self.is_chat else "text_completion"
+        payload = {"id": self.id, "object": kind, "created": self.created, "choices": []}
+        return event({**payload, "usage": usage})
+
+
+def _is_bare(raw: dict, delta: dict) -> bool:
+    """A chat choice that carried only its role (and perhaps an empty content)."""
+    rest = {k for k, v in raw.items() if v is not None} - {"index", "delta", "token_ids"}
+    return not rest and set(delta) <= {"content"}
+
+
+@dataclass(eq=False)
+class Upstream:
+    """One decode stream the client's stream reads from."""
+
+    resp: httpx.Response
+    worker: Worker
+    choices: tuple[int, ...]  # the client's choices it carries
+    prefilled: Prefilled | None = None
+    task: asyncio.Task | None = None
+    cut_reason: str | None = None  # set when the proxy cut it (ejection, drain)
+    unwatch: object = None
+
+
+class MigratingRelay:
+    """The client's stream from one or more decode streams, moving choices when one fails."""
+
+    def __init__(self, orch: Orchestrator, req: ProxyRequest, client: ClientStream):
+        self.orch = orch
+        self.req = req
+        self.client = client
+        self.limit = orch.cfg.migration_limit
+        self.failed: tuple[Worker, ...] = ()  # D's that failed this request
+        self.active: set[Upstream] = set()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    async def run(self, first: Upstream, start_metric=None) -> AsyncIterator[bytes]:
+        """The client's bytes; `start_metric(now)` at the first one."""
+        finished = False
+        try:
+            self._start(first)
+            while self.active:
+                kind, up, data = await self.queue.get()
+                if up not in self.active:
+                    continue  # what a stream already given up on still sent
+                if kind == "event":
+                    out, failure = self._event(data)
+                    if out:
+                        if start_metric is not None:
+                            start_metric()
+                            start_metric = None
+                        yield out
+                    if failure == "client_error":
+                        finished = True
+                        yield DONE
+                        return
+                    if failure is None:
+                        continue
+                    kind, data = "failed", failure
+                if kind == "end":
+                    self._close(up, ok=True)
+                    if not any(i in self.client.unfinished for i in up.choices):
+                        continue
+                    data = "truncated"
+                else:
+                    self._close(up)
+                try:
+                    await self._migrate(up, data)
+                except Refused as e:
+                    self.orch.metrics.migrations_refused.labels(e.reason).inc()
+                    self.orch.metrics.stream_errors.inc()
+                    finished = True
+                    yield error_event(e.message)
+                    return
+            if self.client.wants_usage and not self.client.usage_sent:
+                usage = self.client.usage_event()  # after a migration, or a D gone before it
+                if usage:
+                    yield usage
+            finished = True
+            yield DONE
+        finally:
+            for up in list(self.active):
+                self._close(up)
+            if not finished:  # the client went away: each D sees its stream close and aborts
+                self.orch.metrics.disconnects.inc()
+
+    # -- one decode stream -----------------------------------------------------------------------
+    def _start(self, up: Upstream) -> None:
+        self.active.add(up)
+        up.task = asyncio.get_running_loop().create_task(self._pump(up))
+        up.unwatch = self.orch.inflight.watch(up.worker, lambda reason: self._cut(up, reason))
+
+    def _cut(self, up: Upstream, reason: str) -> None:
+        if up in self.active and up.task is not None and not up.task.done():
+            up.cut_reason = reason
+            up.task.cancel()
+
+    async def _pump(self, up: Upstream) -> None:
+        """D's events into the queue, one by one; then "end" or why it failed."""
+        pending = b""
+        put = self.queue.put_nowait
+        try:
+            async for chunk in up.resp.aiter_raw():
+                pending += chunk
+                while (cut := pending.find(b"\n\n")) >= 0:
+                    put(("event", up, pending[:cut]))
+                    pending = pending[cut + 2 :]
+            put(("end", up, None))
+        except asyncio.CancelledError:
+            if up.cut_reason is None:
+                raise
+            put(("failed", up, up.cut_reason))
+        except httpx.TimeoutException as e:
+            logger.warning("decode worker %s went silent mid-stream: %r", up.worker.url, e)
+            put(("failed", up, "timeout"))
+        except Exception as e:  # noqa: BLE001 — httpx's errors, and a bug: the stream moves
+            if isinstance(e, httpx.HTTPError):
+                logger.warning("decode worker %s failed mid-stream: %r", up.worker.url, e)
+            else:
+                logger.exception("reading decode worker %s failed", up.worker.url)
+            put(("failed", up, "connection"))
+
+    def _event(self, raw: bytes) -> tuple[bytes | None, str | None]:
+        """What to send the client for one of D's events, and why D failed (None: it did not;
+        "client_error": the request's own fault, sent and final)."""
+        if not raw.startswith(b"data: "):
+            return raw + b"\n\n", None
+        data = raw[6:]
+        if data == b"[DONE]":
+            return None, None
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            return raw + b"\n\n", None
+        error = payload.get("error") if isinstance(payload, dict) else None
+        if isinstance(error, dict):
+            code = error.get("code")
+            if isinstance(code, int) and 400 <= code < 500:
+                return raw + b"\n\n", "client_error"
+            logger.warning("decode worker error event: %s", error.get("message"))
+            return None, "drain" if error.get("type") == "worker_draining" else "error_event"
+        if not isinstance(payload, dict):
+            return raw + b"\n\n", None
+        out = self.client.rewrite(payload)
+        return (None if out is None else event(out)), None
+
+    def _close(self, up: Upstream, ok: bool = False) -> None:
+        """Done with a decode stream; what it holds on P (pull) or D (push) is freed unless it
+        ended well (D read it)."""
+        if up not in self.active:
+            return
+        self.active.discard(up)
+        if up.unwatch is not None:
+            up.unwatch()
+        if up.task is not None and not up.task.done():
+            up.task.cancel()
+        up.worker.num_outstanding -= 1
+        if not ok:
+            self.orch.give_back(up.prefilled)
+        self.orch.spawn(up.resp.aclose())
+
+    # -- moving choices --------------------------------------------------------------------------
+    async def _migrate(self, up: Upstream, reason: str) -> None:
+        """Each unfinished choice of a failed stream continues on another D; `Refused` if not."""
+        logger.warning("decode worker %s failed a stream (%s)", up.worker.url, reason)
+        if up.worker not in self.failed:
+            self.failed += (up.worker,)
+        if reason in ("connection", "truncated"):
+            up.worker.eject(f"a decode stream failed ({reason})")
+        moving = [i for i in up.choices if i in self.client.unfinished]
+        if not moving:
+            return  # it failed after its choices finished: nothing to move
+        why = self._refusal()
+        if why is not None:
+            raise Refused(*why)
+        self.client.num_migrations += 1
+        for index in moving:
+            self._start(await self._resume(index))
+            self.orch.metrics.migrations.labels(reason).inc()
+
+    def _refusal(self) -> tuple[str, str] | None:
+        if self.client.num_migrations >= self.limit:
+            return "limit", (
+                "the decode worker failed mid-stream"
+                + (f" (moved {self.limit} times already)" if self.limit else "")
+            )
+        if not self.client.is_tracked:
+            return "untracked", "the decode worker failed mid-stream; the request cannot move"
+        return None
+
+    async def _resume(self, index: int) -> Upstream:
+        choice = self.client.choices[index]
+        body = {k: v for k, v in self.req.body.items() if k not in ("best_of", "n")}
+        resume = {
+            "choice_index": index,
+            "output_token_ids": choice.token_ids,
+            "num_sent_chars": choice.num_chars,
+        }
+        body.update(stream=True, return_token_ids=True, resume=resume)
+        prefilled = await self._prefill(choice)
+        if prefilled is not None:  # D samples the next token itself (penalties, seed's draw)
+            params = {k: v for k, v in prefilled.params.items() if k != "first_token_id"}
+            body["kv_transfer_params"] = params
+        content = json.dumps(body, separators=(",", ":")).encode()
+        headers = {"X-Request-Id": self.req.request_id, **self.orch.internal}
+        while True:
+            try:
+                decode = self.orch.choose("decode", self.req, self.failed)
+            except UnavailableError as e:
+                self.orch.give_back(prefilled)
+                raise Refused(
+                    "no_decode", "the decode worker failed mid-stream and no other can continue"
+                ) from e
+            decode.num_outstanding += 1
+            try:
+                resp = await open_stream(
+                    decode, self.req.path, content, headers, self.orch.stream_timeout
+                )
+            except UpstreamError as e:
+                decode.num_outstanding -= 1
+                self.orch.failed(e)
+                self.failed += (decode,)
+                if e.is_client_error:
+                    self.orch.give_back(prefilled)
+                    message = error_message(e.body) or e.message
+                    raise Refused("rejected", f"the request could not move: {message}") from e
+                continue
+            prompt = self.client.prompt_token_ids
+            num_prompt = self.req.estimated_tokens() if prompt is None else len(prompt)
+            recomputed = num_prompt + len(choice.token_ids)
+            self.orch.metrics.migration_recomputed.inc(recomputed)
+            logger.info(
+                "request %s choice %d continues on %s after %d tokens (%s)",
+                self.req.request_id, index, decode.url, len(choice.token_ids),
+                "its KV from P" if prefilled else "recomputed there",
+            )  # fmt: skip
+            return Upstream(resp, decode, (index,), prefilled)
+
+    async def _prefill(self, choice: Choice) -> Prefilled | None:
+        """Prompt + tokens so far computed on P, for D to pull (the rule of a new request:
+        `--min-disagg-tokens`, a routable P); None: D computes them."""
+        orch, ids = self.orch, self.client.prompt_token_ids
+        if ids is None or orch.cfg.mode == "colocated" or not orch.pools["prefill"].routable():
+            return None
+        tokens = ids + choice.token_ids
+        if len(tokens) < orch.cfg.min_disagg_tokens:
+            return None
+        body = {"prompt": tokens}
+        if "model" in self.req.body:
+            body["model"] = self.req.body["model"]
+        prompt = ProxyRequest(COMPLETIONS_PATH, body, b"", self.req.request_id)
+        try:  # NOTE: pulled even in push mode: a reservation would need D chosen first
+            return await orch.prefill(prompt, None, tokens, push=False)
+        except APIError as e:  # P refused it: D computes it
+            logger.warning("prefill for a moved request failed: %s", e)
+            return None

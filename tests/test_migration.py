@@ -1,0 +1,376 @@
+"""Request migration with real processes: 1 P + 2 D behind the proxy, a D killed (kill -9),
+SIGTERM'd with `--drain-migrate` or drained by the admin API while streams run on it. Every
+stream ends with [DONE] and no error event, and its text, token ids, logprobs and usage equal
+the same request run uninterrupted; the proxy's migration counters prove the streams moved
+(each test fails with `--migration-limit 0`, which its refusal tests pin down)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from tests.servers import wait_until
+
+PROMPTS = [list(range(7 + 3 * i, 40 + 5 * i)) for i in range(8)]
+MAX_TOKENS = 300
+ADMIN = "admin-key"
+
+
+@pytest.fixture(scope="module")
+def workers(start_server, tiny_model):
+    common = ["--model", str(tiny_model("llama")), "--num-blocks", "600", "--max-model-len", "512"]
+    common += ["--kv-lease-timeout", "20"]
+    p = start_server("prefill", *common)
+    ds = [start_server("decode", *common, "--drain-migrate") for _ in range(2)]
+    return p, ds
+
+
+def proxy_for(start_server, p, ds, *extra: str):
+    return start_server(
+        "proxy", "--prefill", p.url, *[a for d in ds for a in ("--decode", d.url)],
+        "--decode-policy", "round_robin", "--health-interval", "0.3", "--health-failures", "1",
+        "--decode-timeout", "10", "--admin-key", ADMIN, *extra,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def proxy(start_server, workers):
+    return proxy_for(start_server, *workers)
+
+
+@dataclass
+class Stream:
+    """One streamed request as a client sees it."""
+
+    texts: dict[int, str] = field(default_factory=dict)
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list] = field(default_factory=dict)
+    finish: dict[int, str] = field(default_factory=dict)
+    ids: set[str] = field(default_factory=set)
+    created: set[int] = field(default_factory=set)
+    usage: dict | None = None
+    error: dict | None = None
+    is_done: bool = False
+    num_events: int = 0
+    started: threading.Event = field(default_factory=threading.Event)
+
+
+def stream(url: str, path: str, body: dict, out: Stream | None = None) -> Stream:
+    out = out or Stream()
+    payload = {**body, "stream": True, "return_token_ids": True}
+    payload["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", url + path, json=payload, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line:
+                continue
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                out.is_done = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                out.error = event["error"]
+                continue
+            out.ids.add(event["id"])
+            out.created.add(event["created"])
+            if event.get("usage"):
+                out.usage = event["usage"]
+            for c in event["choices"]:
+                i = c["index"]
+                text = c["delta"].get("content") if "delta" in c else c.get("text")
+                out.texts[i] = out.texts.get(i, "") + (text or "")
+                out.token_ids.setdefault(i, []).extend(c.get("token_ids") or [])
+                lp = c.get("logprobs")
+                if lp:
+                    out.logprobs.setdefault(i, []).extend(_logprob_items(lp))
+                if c.get("finish_reason"):
+                    out.finish[i] = c["finish_reason"]
+            out.num_events += 1
+            if min(len(t) for t in out.token_ids.values()) >= 3 and out.token_ids:
+                out.started.set()
+    out.started.set()
+    return out
+
+
+CASES = [  # (path, body): greedy, seeded sampled, logprobs, penalties, stop, chat, n = 2
+    ("/v1/completions", dict(prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                             ignore_eos=True)),
+    ("/v1/completions", dict(prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=1.0, seed=11,
+                             ignore_eos=True)),
+    ("/v1/completions", dict(prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0, logprobs=2,
+                             ignore_eos=True)),
+    ("/v1/completions", dict(prompt=PROMPTS[3], max_tokens=MAX_TOKENS, temperature=0.8, seed=3,
+                             frequency_penalty=0.5, presence_penalty=0.3, ignore_eos=True)),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hello there"}],
+                                  max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
+                                  logprobs=True, top_logprobs=1)),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "seeded"}],
+                                  max_tokens=MAX_TOKENS, temperature=1.0, seed=5,
+                                  ignore_eos=True)),
+    ("/v1/completions", dict(prompt=PROMPTS[6], max_tokens=MAX_TOKENS, temperature=0,
+                             min_tokens=MAX_TOKENS - 20, ignore_eos=True)),
+    ("/v1/completions", dict(prompt=PROMPTS[7], max_tokens=MAX_TOKENS, temperature=0,
+                             ignore_eos=True)),
+]  # fmt: skip
+
+
+def with_late_stop(case: tuple[str, dict], ref: Stream) -> tuple[str, dict]:
+    """The case with a stop string from late in its uninterrupted text (hit after the cut)."""
+    path, body = case
+    text = ref.texts[0]
+    return path, {**body, "stop": [text[-40:-30]]}
+
+
+def run_all(url: str, cases: list[tuple[str, dict]]) -> tuple[list[Stream], list[threading.Thread]]:
+    outs = [Stream() for _ in cases]
+    threads = [
+        threading.Thread(target=stream, args=(url, path, body, out), daemon=True)
+        for (path, body), out in zip(cases, outs, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    return outs, threads
+
+
+def same(got: Stream, ref: Stream) -> None:
+    assert got.error is None, got.error
+    assert got.is_done
+    assert len(got.ids) == 1 and len(got.created) == 1  # one id, one created, whatever moved
+    assert got.token_ids == ref.token_ids
+    assert got.texts == ref.texts
+    assert got.finish == ref.finish
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert {k: got.usage[k] for k in counts} == {k: ref.usage[k] for k in counts}
+    assert got.logprobs.keys() == ref.logprobs.keys()
+    for index, items in got.logprobs.items():  # the same tokens; values to float noise (a
+        assert len(items) == len(ref.logprobs[index])  # token recomputed in a prefill)
+        for a, b in zip(items, ref.logprobs[index], strict=True):
+            assert {**a, "logprob": 0} == {**b, "logprob": 0}  # token text (and offset)
+            assert _logprob(a) == pytest.approx(_logprob(b), abs=1e-4)
+
+
+def _logprob(item: dict) -> float:
+    return item["logprob"]
+
+
+def _logprob_items(lp: dict) -> list[dict]:
+    """Chat's `content` items as they are; completions' columns as one item per token (its
+    text, text_offset and logprob)."""
+    if "content" in lp:
+        return [{"token": c["token"], "logprob": c["logprob"]} for c in lp["content"]]
+    columns = zip(lp["tokens"], lp["text_offset"], lp["token_logprobs"], strict=True)
+    return [{"token": t, "offset": o, "logprob": v} for t, o, v in columns]
+
+
+def references(url: str, cases) -> list[Stream]:
+    return [stream(url, path, body) for path, body in cases]
+
+
+def busiest(ds) -> object:
+    return max(ds, key=lambda d: d.metric("pdserve_num_requests_running"))
+
+
+def migrations(proxy) -> float:
+    text = httpx.get(f"{proxy.url}/metrics", timeout=5).text
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith("pdserve_proxy_migrations_total{")
+    )
+
+
+def readmitted(proxy, server) -> bool:
+    workers = httpx.get(f"{proxy.url}/ready", timeout=5).json()["workers"]
+    return any(w["url"] == server.url and w["healthy"] for w in workers)
+
+
+def restart(proxy, server) -> None:
+    server.restart()
+    server.wait_ready()
+    assert wait_until(lambda: readmitted(proxy, server), timeout=20)
+
+
+def test_a_killed_decode_workers_streams_continue_on_the_other(proxy, workers):
+    p, ds = workers
+    refs = references(proxy.url, CASES)
+    cases = [*CASES[:7], with_late_stop(CASES[7], refs[7])]
+    refs[7] = stream(proxy.url, *cases[7])
+    assert refs[7].finish == {0: "stop"}
+    outs, threads = run_all(proxy.url, cases)
+    assert all(out.started.wait(30) for out in outs)
+    victim = busiest(ds)
+    num_running = victim.metric("pdserve_num_requests_running")
+    assert num_running >= 2
+    victim.stop(signal.SIGKILL)
+    for t in threads:
+        t.join(60)
+    for got, ref in zip(outs, refs, strict=True):
+        same(got, ref)
+    assert migrations(proxy) >= num_running - 1  # one may have finished as it was killed
+    survivor = next(d for d in ds if d is not victim)
+    assert wait_until(lambda: survivor.metric("pdserve_kv_blocks_used") == 0)
+    assert wait_until(lambda: p.metric("pdserve_kv_blocks_used") == 0)
+    restart(proxy, victim)
+
+
+N2_CASES = [
+    ("/v1/completions", dict(prompt=PROMPTS[4], n=2, max_tokens=MAX_TOKENS, temperature=1.0,
+                             seed=9, ignore_eos=True)),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "two of them"}], n=2,
+                                  max_tokens=MAX_TOKENS, temperature=0.9, seed=2,
+                                  ignore_eos=True)),
+]  # fmt: skip
+
+
+def test_push_mode_and_n2_streams_continue(start_server, workers):
+    p, ds = workers
+    proxy = proxy_for(start_server, p, ds, "--mode", "push")
+    cases = [*CASES[:3], *N2_CASES]
+    refs = references(proxy.url, cases)
+    assert all(len(ref.texts) == 2 for ref in refs[3:])
+    outs, threads = run_all(proxy.url, cases)
+    assert all(out.started.wait(30) for out in outs)
+    victim = busiest(ds)
+    assert victim.metric("pdserve_num_requests_running") >= 2
+    victim.stop(signal.SIGKILL)
+    for t in threads:
+        t.join(60)
+    for got, ref in zip(outs, refs, strict=True):
+        same(got, ref)
+    assert migrations(proxy) >= 2
+    restart(proxy, victim)
+
+
+def test_sigterm_with_drain_migrate_moves_streams_and_exits_at_once(proxy, workers):
+    p, ds = workers
+    refs = references(proxy.url, CASES[:4])
+    outs, threads = run_all(proxy.url, CASES[:4])
+    assert all(out.started.wait(30) for out in outs)
+    victim = busiest(ds)
+    assert victim.metric("pdserve_num_requests_running") >= 1
+    before = migrations(proxy)
+    started = time.monotonic()
+    victim.proc.send_signal(signal.SIGTERM)
+    assert victim.proc.wait(15) == 0
+    assert time.monotonic() - started < 10  # not the drain timeout: the streams moved
+    for t in threads:
+        t.join(60)
+    for got, ref in zip(outs, refs, strict=True):
+        same(got, ref)
+    assert migrations(proxy) > before
+    restart(proxy, victim)
+
+
+def post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(url + path, json={**body, "return_token_ids": True}, timeout=60)
+
+
+def drain(proxy, server, migrate: bool = True) -> None:
+    r = httpx.post(
+        f"{proxy.url}/admin/workers/drain",
+        json={"url": server.url, "migrate": migrate},
+        headers={"Authorization": f"Bearer {ADMIN}"},
+        timeout=10,
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_admin_drain_with_migrate_moves_streamed_and_whole_requests(start_server, workers):
+    p, ds = workers
+    proxy = proxy_for(start_server, p, ds)
+    ref = post(proxy.url, *CASES[1]).json()
+    whole: dict = {}
+    thread = threading.Thread(target=lambda: whole.update(post(proxy.url, *CASES[1]).json()))
+    thread.start()
+    assert wait_until(lambda: any(d.metric("pdserve_num_requests_running") for d in ds))
+    victim = busiest(ds)
+    drain(proxy, victim)
+    thread.join(60)
+    assert whole["choices"] == ref["choices"] and whole["usage"] == ref["usage"]
+    assert proxy.metric('pdserve_proxy_migrations_total{reason="drain"}') == 1
+    assert wait_until(lambda: victim.metric("pdserve_num_requests_running") == 0)
+    # streams, through a proxy of its own (in this one the victim stays drained)
+    survivor = next(d for d in ds if d is not victim)
+    other = proxy_for(start_server, p, ds, "--min-disagg-tokens", "100000")  # D alone
+    refs = references(other.url, CASES[:3])
+    outs, threads = run_all(other.url, CASES[:3])
+    assert all(out.started.wait(30) for out in outs)
+    num_running = survivor.metric("pdserve_num_requests_running")
+    drain(other, survivor)
+    for t in threads:
+        t.join(60)
+    for got, ref in zip(outs, refs, strict=True):
+        same(got, ref)
+    assert other.metric('pdserve_proxy_migrations_total{reason="drain"}') >= num_running - 1 > 0
+
+
+@pytest.mark.parametrize("limit", ["0", "3"])
+def test_a_stream_that_cannot_move_ends_with_an_error_event(start_server, workers, limit):
+    """Limit 0: no migration; limit 3 with a single D: no other worker to continue on."""
+    p, ds = workers
+    pool = ds if limit == "0" else ds[:1]
+    proxy = proxy_for(start_server, p, pool, "--migration-limit", limit)
+    out = Stream()
+    thread = threading.Thread(target=stream, args=(proxy.url, *CASES[0], out))
+    thread.start()
+    assert out.started.wait(30)
+    drain(proxy, busiest(pool))
+    thread.join(60)
+    assert out.is_done and out.error is not None
+    assert "decode worker failed mid-stream" in out.error["message"]
+    assert len(out.token_ids[0]) < MAX_TOKENS and not out.finish  # no answer that claims success
+    reason = "limit" if limit == "0" else "no_decode"
+    assert proxy.metric(f'pdserve_proxy_migrations_refused_total{{reason="{reason}"}}') == 1
+    assert migrations(proxy) == 0
+
+
+def test_rolling_restart_of_every_decode_worker_under_load(proxy, workers):
+    """Each D in turn SIGTERM'd (`--drain-migrate`) and restarted while clients keep sending
+    streamed and whole requests: not one fails, every answer equals its reference."""
+    p, ds = workers
+    cases = [(path, {**body, "max_tokens": 60}) for path, body in CASES[:4]]
+    refs = references(proxy.url, cases)
+    wholes = [post(proxy.url, path, body).json() for path, body in cases]
+    failures: list[str] = []
+    done = threading.Event()
+    counts = [0, 0]
+
+    def client(k: int) -> None:
+        while not done.is_set():
+            i = (k + counts[k % 2]) % len(cases)
+            if k % 2:
+                got = stream(proxy.url, *cases[i])
+                if got.error or got.token_ids != refs[i].token_ids or not got.is_done:
+                    failures.append(f"stream {i}: {got.error or got.token_ids}")
+            else:
+                path, body = cases[i]
+                r = httpx.post(
+                    proxy.url + path, json={**body, "return_token_ids": True}, timeout=60
+                )
+                if r.status_code != 200 or r.json()["choices"] != wholes[i]["choices"]:
+                    failures.append(f"whole {i}: {r.status_code} {r.text[:200]}")
+            counts[k % 2] += 1
+
+    clients = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(4)]
+    for t in clients:
+        t.start()
+    before = migrations(proxy)
+    for victim in ds:
+        time.sleep(1.0)
+        victim.proc.send_signal(signal.SIGTERM)
+        assert victim.proc.wait(15) == 0
+        restart(proxy, victim)
+    time.sleep(1.0)
+    done.set()
+    for t in clients:
+        t.join(60)
+    assert not failures, failures[:5]
+    assert sum(counts) >= 8
+    assert migrations(proxy) > before  # the load was on the workers when they went
