@@ -1,6 +1,7 @@
 """2 prefill + 2 decode workers behind the proxy, and workers killed under it: a dead P is
 routed around (requests keep succeeding with the colocated output), a D killed mid-stream ends
-that stream with an error event within seconds, readiness follows, survivors end all-free."""
+that stream with an error event within seconds when migration is off (`--migration-limit 0`;
+tests/test_migration.py moves it), readiness follows, survivors end all-free."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def cluster(start_server, tiny_model):
         *[a for d in ds for a in ("--decode", d.url)],
         "--prefill-policy", "round_robin", "--decode-policy", "round_robin",
         "--health-interval", "0.3", "--health-failures", "1", "--decode-timeout", "10",
+        "--migration-limit", "0",  # a D killed mid-stream: today's error event (no migration)
     )  # fmt: skip
     return ps, ds, proxy
 
@@ -75,6 +77,8 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error(cluster):
     error = json.loads(events[-2].removeprefix("data: "))["error"]
     assert "decode worker failed" in error["message"] and error["code"] == 502
     assert wait_until(lambda: proxy.metric("pdserve_proxy_stream_errors_total") == 1)
+    refused = 'pdserve_proxy_migrations_refused_total{reason="limit"}'
+    assert proxy.metric(refused) == 1
     survivor = next(d for d in ds if d is not serving)
     assert complete(proxy.url, PROMPTS[1]) == complete(survivor.url, PROMPTS[1])
     assert wait_until(lambda: ready(proxy)["status"] == 200)
