@@ -53,6 +53,7 @@ from concurrent.futures import Future, InvalidStateError
 from common.cpu import set_torch_threads
 from common.engine.engine import LLMEngine
 from common.engine.output import RequestOutput
+from common.engine.request import Resume
 from common.engine.sampling_params import SamplingParams
 from common.engine.stats import EngineStats, engine_stats
 from common.kv_cache.event_publisher import KVEventPublisher
@@ -139,8 +140,10 @@ class AsyncEngine:
         prompt: str | list[int],
         params: SamplingParams,
         kv_transfer_params: dict | None = None,
+        resume: Resume | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request until it finishes; ValueError for bad input."""
+        """Outputs of one request until it finishes; ValueError for bad input. `resume`: a
+        choice another worker started (`LLMEngine.add_request`)."""
         if not self.is_alive:
             raise EngineDeadError(f"the engine is not running ({self.error!r})")
         queue: asyncio.Queue = asyncio.Queue()
@@ -148,7 +151,7 @@ class AsyncEngine:
         finished = False
         try:
             self._num_pending += 1
-            added = self._call(self._add, request_id, prompt, params, kv_transfer_params)
+            added = self._call(self._add, request_id, prompt, params, kv_transfer_params, resume)
             await asyncio.wrap_future(added)
             while not finished:
                 item = await queue.get()
@@ -294,9 +297,10 @@ class AsyncEngine:
         prompt: str | list[int],
         params: SamplingParams,
         kv_transfer_params: dict | None,
+        resume: Resume | None,
     ) -> None:
         self._num_pending -= 1
-        self.engine.add_request(request_id, prompt, params, kv_transfer_params)
+        self.engine.add_request(request_id, prompt, params, kv_transfer_params, resume)
 
     def _drain_commands(self) -> None:
         while self._commands:
