@@ -96,6 +96,7 @@ class AsyncEngine:
         self._closed_by: EngineDeadError | None = None  # set once: no command runs after it
         self._wake = threading.Event()
         self._queues: dict[str, asyncio.Queue] = {}
+        self._end_with: Callable[[], BaseException] | None = None  # `end_all`
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -146,6 +147,8 @@ class AsyncEngine:
         choice another worker started (`LLMEngine.add_request`)."""
         if not self.is_alive:
             raise EngineDeadError(f"the engine is not running ({self.error!r})")
+        if self._end_with is not None:
+            raise self._end_with()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         finished = False
@@ -163,6 +166,14 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    def end_all(self, make_error: Callable[[], BaseException]) -> None:
+        """Every request being generated, and every later one, ends with `make_error()` raised
+        by its `generate`, which aborts it (its blocks freed). On the event loop: a worker
+        that hands its streams to another one (`--drain-migrate`)."""
+        self._end_with = make_error
+        for queue in self._queues.values():
+            queue.put_nowait(make_error())
 
     def abort(self, request_id: str) -> None:
         self._submit(lambda: self.engine.abort_request(request_id), None)
