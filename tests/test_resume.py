@@ -8,7 +8,9 @@ Engine level here; the HTTP field (`resume` in the body, its 400s and 401) furth
 from __future__ import annotations
 
 import dataclasses
+import json
 
+import httpx
 import pytest
 import torch
 
@@ -213,3 +215,136 @@ def test_character_split_across_the_cut_decodes_whole(tokenizer):
         out, _ = outputs.process(req)
         text += out.delta_text
     assert text == "€cd" and "\ufffd" not in text
+
+
+# -- HTTP: the `resume` field ------------------------------------------------------------------
+TOKEN = "resume-test-token"
+HEADERS = {"X-Internal-Token": TOKEN}
+CHAT = [{"role": "user", "content": "import os and list the files"}]
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tiny_model):
+    return start_server(
+        "decode",
+        *("--model", str(tiny_model("llama")), "--num-blocks", "64"),
+        *("--internal-token", TOKEN, "--served-model-name", "tiny"),
+    )
+
+
+def post(server, path: str, body: dict, headers=HEADERS) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=60)
+
+
+def stream(server, path: str, body: dict) -> list[dict]:
+    """The events of a streamed request, [DONE] checked and dropped."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.url}{path}", json=body, headers=HEADERS, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line.removeprefix("data: ") for line in r.iter_lines() if line]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def tokens_and_text(chunks: list[dict], text_of) -> tuple[list[int], str]:
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    return [t for c in choices for t in c.get("token_ids") or []], "".join(map(text_of, choices))
+
+
+def completion_text(choice: dict) -> str:
+    return choice["text"]
+
+
+def chat_text(choice: dict) -> str:
+    return choice["delta"].get("content") or ""
+
+
+def sent_after(chunks: list[dict], text_of, g: int) -> tuple[list[int], int]:
+    """The first `g` tokens of a stream and the characters the client had with them."""
+    ids, num_chars = [], 0
+    for c in (c for chunk in chunks for c in chunk["choices"]):
+        if len(ids) >= g:
+            break
+        ids += c.get("token_ids") or []
+        num_chars += len(text_of(c))
+    assert len(ids) == g
+    return ids, num_chars
+
+
+@pytest.mark.parametrize(
+    "path, text_of, base",
+    [
+        ("/v1/completions", completion_text, {"prompt": "def fibonacci(n):", "logprobs": 1}),
+        ("/v1/chat/completions", chat_text, {"messages": CHAT, "logprobs": True}),
+    ],
+    ids=["completions", "chat"],
+)
+def test_streamed_resume_continues_the_stream(server, path, text_of, base):
+    body = {**base, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    body["return_token_ids"] = True
+    full = stream(server, path, body)
+    full_ids, full_text = tokens_and_text(full, text_of)
+    g = 5
+    ids, num_chars = sent_after(full, text_of, g)
+    resume = {"choice_index": 3, "output_token_ids": ids, "num_sent_chars": num_chars}
+    resumed = stream(server, path, {**body, "resume": resume})
+    new_ids, new_text = tokens_and_text(resumed, text_of)
+    assert new_ids == full_ids[g:]
+    assert full_text[:num_chars] + new_text == full_text
+    assert {c["index"] for chunk in resumed for c in chunk["choices"]} == {3}
+    usage, full_usage = resumed[-1]["usage"], full[-1]["usage"]
+    assert usage["completion_tokens"] == 12
+    assert usage["prompt_tokens"] == full_usage["prompt_tokens"]
+    prompt_ids = next(
+        x
+        for chunk in resumed
+        for x in [chunk.get("prompt_token_ids")]
+        + [c.get("prompt_token_ids") for c in chunk["choices"]]
+        if x
+    )
+    assert len(prompt_ids) == full_usage["prompt_tokens"]  # the original prompt
+    choices = [c for chunk in resumed for c in chunk["choices"] if c.get("token_ids")]
+    if path == "/v1/completions":  # text offsets go on from the client's text
+        assert choices[0]["logprobs"]["text_offset"] == [num_chars]
+    assert sum(len(c["logprobs"]["content" if "delta" in c else "tokens"]) for c in choices) == 7
+
+
+def test_non_streamed_resume_counts_the_resumed_tokens(server):
+    body = {"prompt": "x = 1", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    full = post(server, "/v1/completions", {**body, "return_token_ids": True}).json()
+    ids = full["choices"][0]["token_ids"]
+    resume = {"choice_index": 1, "output_token_ids": ids[:4], "num_sent_chars": 0}
+    r = post(server, "/v1/completions", {**body, "resume": resume, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["choices"][0]["index"] == 1 and out["choices"][0]["token_ids"] == ids
+    assert out["usage"]["completion_tokens"] == 10
+    assert out["usage"]["prompt_tokens"] == full["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize(
+    "change, resume",
+    [
+        ({"n": 2}, {"output_token_ids": [5]}),
+        ({"prompt": ["a", "b"]}, {"output_token_ids": [5]}),
+        ({}, {"output_token_ids": [5, VOCAB]}),
+        ({"max_tokens": 3}, {"output_token_ids": [5, 6, 7]}),
+        ({}, {"output_token_ids": [5, 6], "num_sent_chars": 100}),
+    ],
+    ids=["n", "batch", "vocab", "max_tokens", "num_sent_chars"],
+)
+def test_bad_resume_is_a_400(server, change, resume):
+    body = {"prompt": "x = 1", "max_tokens": 8, **change}
+    resume = {"choice_index": 0, "num_sent_chars": 0, **resume}
+    r = post(server, "/v1/completions", {**body, "resume": resume})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "resume"
+
+
+def test_resume_needs_the_cluster_token(server):
+    body = {"messages": CHAT, "max_tokens": 4}
+    body["resume"] = {"choice_index": 0, "output_token_ids": [5], "num_sent_chars": 0}
+    r = post(server, "/v1/chat/completions", body, headers={})
+    assert r.status_code == 401, r.text
+    assert post(server, "/v1/chat/completions", body).status_code == 200
+    assert post(server, "/v1/chat/completions", {**body, "resume": None}, headers={}).is_success
