@@ -320,6 +320,11 @@ def test_non_streamed_resume_counts_the_resumed_tokens(server):
     assert out["choices"][0]["index"] == 1 and out["choices"][0]["token_ids"] == ids
     assert out["usage"]["completion_tokens"] == 10
     assert out["usage"]["prompt_tokens"] == full["usage"]["prompt_tokens"]
+    empty = {"choice_index": 2, "output_token_ids": [], "num_sent_chars": 0}  # no token yet
+    out = post(server, "/v1/completions", {**body, "resume": empty}).json()
+    assert (
+        out["choices"][0]["index"] == 2 and out["choices"][0]["text"] == full["choices"][0]["text"]
+    )
 
 
 @pytest.mark.parametrize(
