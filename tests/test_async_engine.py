@@ -163,3 +163,37 @@ def test_the_arrival_wait_is_bounded_and_a_running_batch_never_waits(tiny_model)
             await engine.stop()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+class Draining(RuntimeError):
+    pass
+
+
+def test_end_all_ends_every_generation_and_frees_its_blocks(tiny_model):
+    """`--drain-migrate`'s end: requests being generated raise the error at once (their blocks
+    back in the pool), and so does any request that would still start."""
+    model = ModelConfig(str(tiny_model("llama")))
+    cfg = EngineConfig(model=model, cache=CacheConfig(num_blocks=32))
+
+    async def scenario():
+        engine = AsyncEngine(lambda: LLMEngine(cfg))
+        await engine.start()
+        try:
+            params = SamplingParams(max_tokens=200, ignore_eos=True)
+            streams = [engine.generate(f"r{i}", [5, 6, 7, i + 3], params) for i in range(3)]
+            for stream in streams:
+                await anext(stream)  # each is running
+            engine.end_all(Draining)
+            for stream in streams:
+                with pytest.raises(Draining):
+                    async for _ in stream:
+                        pass
+            with pytest.raises(Draining):
+                await anext(engine.generate("late", [5, 6, 7], params))
+            pool = engine.engine.pool
+            assert await asyncio.wrap_future(engine.call(lambda: pool.is_all_free))
+            assert engine.is_alive and engine.num_unfinished == 0
+        finally:
+            await engine.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

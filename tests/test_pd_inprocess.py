@@ -14,6 +14,7 @@ import torch
 
 from common.config import CacheConfig, EngineConfig, ModelConfig, TransferConfig
 from common.engine.engine import LLMEngine
+from common.engine.request import Resume
 from common.engine.sampling_params import SamplingParams
 from common.kv_transfer.fake import FakeConnector, Loopback
 from tests.tiny_models import VOCAB
@@ -70,10 +71,12 @@ def d(request, model, fabric, p):
     return engine
 
 
-def run(engine: LLMEngine, prompt, params: SamplingParams, kv=None, rid="r") -> tuple[list, dict]:
+def run(
+    engine: LLMEngine, prompt, params: SamplingParams, kv=None, rid="r", resume=None
+) -> tuple[list, dict]:
     """Step until the request finishes: (token ids, its last output's kv_transfer_params and
     error)."""
-    engine.add_request(rid, prompt, params, kv)
+    engine.add_request(rid, prompt, params, kv, resume)
     for _ in range(1000):
         for out in engine.step():
             if out.request_id == rid and out.finished:
@@ -164,6 +167,28 @@ def test_first_token_that_ends_the_request_needs_no_kv(p, d):
     assert tokens == [params["first_token_id"]] and out["error"] is None
     assert d.connector.stats_snapshot().num_loads == before.num_loads  # nothing read
     settle(p, d)  # and P was told to let go of its blocks
+
+
+@pytest.mark.parametrize("mode", ["greedy", "seeded"])
+def test_resume_from_kv_of_the_prompt_and_outputs_so_far(p, d, mode):
+    """A migrated stream with a long context: P prefills the prompt plus the G outputs so far
+    (one prompt of token ids), D resumes the choice on that KV without P's token: it recomputes
+    the last token and samples token G itself (its penalties and seeded draw). The KV is read,
+    not recomputed, though it covers more blocks than the prompt."""
+    prompt, g = prompts()[3], 9  # 40 + 9 tokens: a block more than the prompt's 3
+    colocated, _ = run(d, prompt, sampling(mode, max_tokens=14))
+    params = prefill(p, prompt + colocated[:g], mode)
+    assert len(params["remote_block_ids"]) == -(-(len(prompt) + g) // 16) == 4
+    params = {k: v for k, v in params.items() if k != "first_token_id"}
+    before = d.connector.stats_snapshot()
+    resume = Resume(0, tuple(colocated[:g]), 0)
+    tokens, out = run(d, prompt, sampling(mode, max_tokens=14), params, resume=resume)
+    assert out["error"] is None and tokens == colocated, (tokens, colocated)
+    after = d.connector.stats_snapshot()
+    assert after.loaded_requests.get("pull", 0) - before.loaded_requests.get("pull", 0) == 1
+    assert after.num_loads - before.num_loads == 1 and after.recomputed == before.recomputed
+    assert after.num_load_failures == before.num_load_failures
+    settle(p, d)
 
 
 @pytest.mark.parametrize("mode", ["greedy", "seeded"])

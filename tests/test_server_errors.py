@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import threading
+import time
 
 import httpx
 import pytest
@@ -183,3 +185,40 @@ def test_sigterm_drains_and_exits_zero(start_server, tiny_model):
     events = [line for line in rest if line.startswith("data: {")]
     assert len(events) >= 50 and '"finish_reason":"length"' in events[-1]
     assert server.proc.wait(30) == 0
+
+
+def test_sigterm_with_drain_migrate_ends_generations_at_once(start_server, tiny_model):
+    """`--drain-migrate`: in-flight generations end now with a `worker_draining` error (the
+    proxy's cue to move them), not after the drain timeout, and the process exits 0."""
+    server = start_server(
+        "decode",
+        *("--model", str(tiny_model("llama")), "--num-blocks", "64"),
+        *("--drain-timeout", "60", "--drain-migrate"),
+    )
+    body = dict(prompt="migrate me", max_tokens=500, ignore_eos=True, stream=True)
+    whole: list[httpx.Response] = []
+    url = f"{server.url}/v1/completions"
+    waiter = threading.Thread(
+        target=lambda: whole.append(httpx.post(url, json={**body, "stream": False}, timeout=60))
+    )
+    waiter.start()
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: {")  # tokens flow
+        server.proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2].removeprefix("data: ")) == {
+        "error": {
+            "message": "the worker is draining: this generation moves elsewhere",
+            "type": "worker_draining",
+            "param": None,
+            "code": 503,
+        }
+    }
+    assert len(rest) < 400  # ended, not run to max_tokens
+    waiter.join(10)
+    assert assert_error(whole[0], 503)["type"] == "worker_draining"
+    assert server.proc.wait(10) == 0
+    assert time.monotonic() - started < 10

@@ -26,6 +26,7 @@ from common.api.serving import (
     final_kv_params,
     new_request_id,
     num_tokens_sent_before,
+    resolve_resume,
     respond,
     run_jobs,
     sse,
@@ -44,6 +45,7 @@ async def create_chat_completion(
     state.check_model(req.model)
     prompt = await prepare_chat(state, engine.engine, req)
     job = Job(new_request_id(request), prompt.token_ids, prompt.params, choice_offset=0)
+    job.resume = await resolve_resume(state, request, req.resume, [prompt])
     job.kv_transfer_params = await resolve_kv_params(state, req.kv_transfer_params, request)
     admit(state, engine, [job], request)
     response_id = f"chatcmpl-{request.state.request_id}"

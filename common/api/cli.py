@@ -253,6 +253,13 @@ def _add_server_args(p: argparse.ArgumentParser, role: str) -> None:
         "(default %(default)s)",
     )
     add(
+        "--drain-migrate",
+        action="store_true",
+        help="on SIGTERM, end every in-flight generation at once (a streamed one with a "
+        "'worker_draining' error event, others with a 503) so that the proxy moves it to "
+        "another worker, instead of waiting --drain-timeout for it",
+    )
+    add(
         "--internal-token",
         default=None,
         help="cluster token: internal routes (handshake, reserve, release) refuse requests "
@@ -465,6 +472,7 @@ def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, 
             arrival_wait=a.arrival_wait_ms / 1e3,
             max_body_bytes=a.max_body_bytes,
             drain_timeout=a.drain_timeout,
+            drain_migrate=a.drain_migrate,
             internal_token=_internal_token(a),
             log_level=a.log_level,
             cpu=CpuBudget(cores=a.cpu_cores, num_threads=a.cpu_threads),

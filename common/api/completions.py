@@ -28,7 +28,9 @@ from common.api.serving import (
     check_token_ids,
     final_kv_params,
     new_request_id,
+    num_chars_sent_before,
     num_tokens_sent_before,
+    resolve_resume,
     respond,
     run_jobs,
     sse,
@@ -44,10 +46,12 @@ async def create_completion(
 ) -> Response:
     engine = state.require_ready()
     state.check_model(req.model)
+    prepared = await prepare_prompts(state, engine.engine, req)
     jobs = [
         Job(new_request_id(request), p.token_ids, p.params, choice_offset=i * req.n)
-        for i, p in enumerate(await prepare_prompts(state, engine.engine, req))
+        for i, p in enumerate(prepared)
     ]
+    jobs[0].resume = await resolve_resume(state, request, req.resume, prepared)
     if req.kv_transfer_params is not None and len(jobs) > 1:
         raise InvalidRequestError(
             "kv_transfer_params need a single prompt", param="kv_transfer_params"
@@ -127,7 +131,7 @@ async def _stream(
     outputs: AsyncIterator,
 ) -> AsyncIterator[str]:
     tokenizer = state.engine.engine.tokenizer
-    num_chars: dict[int, int] = {}
+    num_chars: dict[int, int] = {}  # text offset per choice (a resumed one: from the client's)
     num_tokens = num_tokens_sent_before(jobs[0])
     async for job, out in outputs:
         for c in out.outputs:
@@ -135,12 +139,13 @@ async def _stream(
                 continue
             index = job.choice_offset + c.index
             first = index not in num_chars
+            offset = num_chars[index] if not first else num_chars_sent_before(job)
             logprobs = (
-                completion_logprobs(tokenizer, c.delta_logprobs, num_chars.get(index, 0))
+                completion_logprobs(tokenizer, c.delta_logprobs, offset)
                 if req.logprobs is not None
                 else None
             )
-            num_chars[index] = num_chars.get(index, 0) + len(c.delta_text)
+            num_chars[index] = offset + len(c.delta_text)
             num_tokens += len(c.delta_token_ids)
             choice = CompletionStreamChoice(
                 index=index,

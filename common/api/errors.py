@@ -30,7 +30,7 @@ class APIError(Exception):
         self,
         message: str,
         param: str | None = None,
-        code: str | None = None,
+        code: str | int | None = None,
         headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
@@ -75,6 +75,16 @@ class OverloadedError(APIError):
 class UnavailableError(APIError):
     status_code = HTTPStatus.SERVICE_UNAVAILABLE
     error_type = "service_unavailable"
+
+
+class WorkerDrainingError(UnavailableError):
+    """A generation this worker ended on SIGTERM under `--drain-migrate`: the proxy moves it
+    to another worker (a type of its own, so that it is told from any other 503)."""
+
+    error_type = "worker_draining"
+
+    def __init__(self, message: str = "the worker is draining: this generation moves elsewhere"):
+        super().__init__(message, code=503)
 
 
 class ServerError(APIError):

@@ -109,6 +109,16 @@ class StreamOptions(_Request):
     include_obfuscation: bool | None = None  # OpenAI's; ignored
 
 
+class ResumeParams(_Request):
+    """Internal (the proxy's, with the cluster token): continue choice `choice_index` of a
+    request another worker started, after its `output_token_ids`, of whose text the client
+    has exactly `num_sent_chars` characters (common/engine/request.py's `Resume`)."""
+
+    choice_index: int = Field(ge=0)
+    output_token_ids: list[int]
+    num_sent_chars: int = Field(ge=0)
+
+
 class _GenerationRequest(_Request):
     """Fields shared by both endpoints: sampling, streaming and vLLM's extensions."""
 
@@ -135,6 +145,7 @@ class _GenerationRequest(_Request):
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False  # vLLM: prompt_token_ids and token_ids in the response
     kv_transfer_params: dict[str, Any] | None = None  # opaque, for the KV connector
+    resume: ResumeParams | None = None  # internal: a migrated stream (`ResumeParams`)
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> _GenerationRequest:

@@ -1,7 +1,9 @@
 """Run a worker: parse the command line, build the app, serve it with uvicorn.
 
 SIGTERM (or Ctrl-C) drains: new requests get 503, in-flight ones get `--drain-timeout` seconds
-to finish and are then aborted (their blocks freed), and the process exits 0. A worker whose
+to finish and are then aborted (their blocks freed), and the process exits 0. With
+`--drain-migrate` they end at once instead, with a `worker_draining` error (an event in a
+stream, a 503 otherwise) that tells the proxy to move them to another worker. A worker whose
 engine thread died drains the same way and exits with status 1 (`ENGINE_DEAD_EXIT_CODE`).
 """
 
@@ -52,7 +54,10 @@ def main(role: str, argv: list[str] | None = None) -> None:
     def drain(sig, frame) -> None:
         # NOTE: uvicorn's own handler re-raises the signal after shutdown (exit status -15);
         # a drained worker exits 0. A second Ctrl-C still forces the exit.
-        app.state.server.is_draining = True
+        state = app.state.server
+        state.is_draining = True
+        if server_cfg.drain_migrate and state.loop is not None:  # NOTE: a signal handler: later
+            state.loop.call_soon_threadsafe(state.migrate_all)
         if server.should_exit and sig == signal.SIGINT:
             server.force_exit = True
         server.should_exit = True

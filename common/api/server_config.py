@@ -21,6 +21,7 @@ class ServerConfig:
     arrival_wait: float = 0.01  # seconds an idle engine waits for requests being parsed
     max_body_bytes: int = 4 << 20
     drain_timeout: float = 30.0
+    drain_migrate: bool = False  # SIGTERM ends in-flight generations at once, for the proxy
     internal_token: str | None = None  # required by the internal routes when set
     log_level: str = "info"
     cpu: CpuBudget = field(default_factory=CpuBudget)  # applied at startup (common/cpu.py)

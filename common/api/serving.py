@@ -24,9 +24,12 @@ from common.api.errors import (
     ServerError,
     UnavailableError,
 )
+from common.api.internal import check_internal_token
+from common.api.protocol import ResumeParams
 from common.api.state import ServerState
 from common.engine.async_engine import AsyncEngine, EngineDeadError
-from common.engine.output import RequestOutput
+from common.engine.output import RequestOutput, decoded_text
+from common.engine.request import Resume
 from common.engine.sampling_params import SamplingParams
 
 
@@ -46,6 +49,7 @@ class Job:
     params: SamplingParams
     choice_offset: int  # choice index of this job's first sample
     kv_transfer_params: dict | None = None
+    resume: Resume | None = None  # a choice another worker started
     num_cached_tokens: int = 0
     arrival: float = field(default_factory=time.perf_counter)
     last_token_at: float | None = None
@@ -74,10 +78,53 @@ class Admission:
 
 
 def num_tokens_sent_before(job: Job) -> int:
-    """1 when the client already has P's first token (the proxy sent it): D's stream starts at
-    the second token, and usage still counts the first."""
+    """The completion tokens the client has before this stream: a resumed choice's outputs so
+    far, and P's first token when the proxy sent it. The stream starts after them; usage still
+    counts them."""
     raw = job.kv_transfer_params or {}
-    return int(bool(raw.get("first_token_streamed")) and raw.get("first_token_id") is not None)
+    first = int(bool(raw.get("first_token_streamed")) and raw.get("first_token_id") is not None)
+    return first + (job.resume.num_tokens if job.resume else 0)
+
+
+def num_chars_sent_before(job: Job) -> int:
+    """The characters of text the client has before this stream (a resumed choice's)."""
+    return job.resume.num_sent_chars if job.resume else 0
+
+
+async def resolve_resume(
+    state: ServerState, request: Request, raw: ResumeParams | None, prepared: list[PreparedPrompt]
+) -> Resume | None:
+    """The request's `resume`, checked against its one prompt: a 400 (param "resume") for what
+    the engine would refuse, before the stream's 200 is sent; internal, so the cluster token is
+    needed as for kv_transfer_params."""
+    if raw is None:
+        return None
+    check_internal_token(state, request)
+    llm = state.require_ready().engine
+    ids = raw.output_token_ids
+    if len(prepared) != 1 or prepared[0].params.n != 1:
+        raise InvalidRequestError("resume needs a single prompt and n = 1", param="resume")
+    prompt = prepared[0]
+    check_token_ids(ids, llm.arch.vocab_size, "resume")
+    if len(ids) >= prompt.params.max_tokens:
+        raise InvalidRequestError(
+            f"resume has {len(ids)} output tokens: max_tokens ({prompt.params.max_tokens}) "
+            "leaves none to generate",
+            param="resume",
+        )
+    if len(prompt.token_ids) + len(ids) >= llm.max_model_len:
+        raise InvalidRequestError(
+            f"the prompt and {len(ids)} resumed tokens fill the model's context", param="resume"
+        )
+    skip = prompt.params.skip_special_tokens
+    text = await state.run_blocking(decoded_text, llm.tokenizer, prompt.token_ids, ids, skip)
+    if raw.num_sent_chars > len(text):
+        raise InvalidRequestError(
+            f"resume's num_sent_chars ({raw.num_sent_chars}) passes the {len(text)} characters "
+            "its output tokens decode to",
+            param="resume",
+        )
+    return Resume(raw.choice_index, tuple(ids), raw.num_sent_chars)
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
@@ -152,7 +199,7 @@ async def _one(
     if job.admission is not None:  # from here on the engine counts it (no await in between)
         job.admission.release()
     outputs = engine.generate(
-        job.request_id, job.prompt_token_ids, job.params, job.kv_transfer_params
+        job.request_id, job.prompt_token_ids, job.params, job.kv_transfer_params, job.resume
     )
     async with aclosing(outputs) as gen:
         async for out in gen:

@@ -22,7 +22,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from common.api.errors import NotFoundError, UnavailableError
+from common.api.errors import NotFoundError, UnavailableError, WorkerDrainingError
 from common.api.ignored_fields import IgnoredFields
 from common.api.metrics import ServerMetrics
 from common.api.server_config import ServerConfig
@@ -59,6 +59,7 @@ class ServerState:
         self.started_at = int(time.time())
         self.exit_code = 0  # the process's exit status once the server stops
         self.request_exit: Callable[[], None] | None = None  # the server stops, draining
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once it runs
         # NOTE: not the engine thread, which owns torch; these threads never run a torch op
         self.tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
 
@@ -79,6 +80,7 @@ class ServerState:
         return self.engine
 
     async def load(self) -> None:
+        self.loop = asyncio.get_running_loop()
         engine = AsyncEngine(
             self.engine_factory,
             on_death=self.engine_died,
@@ -130,6 +132,14 @@ class ServerState:
         )
         if self.request_exit is not None:
             asyncio.get_running_loop().call_later(ENGINE_DEAD_LINGER_S, self.request_exit)
+
+    def migrate_all(self) -> None:
+        """`--drain-migrate` on SIGTERM (on the event loop): every generation in flight, and any
+        that would still start, ends now with `WorkerDrainingError`, its blocks freed, so that
+        the proxy moves it to another worker and the server's drain ends in moments."""
+        if self.engine is not None:
+            logger.info("draining: ending %d generations for migration", self.engine.num_unfinished)
+            self.engine.end_all(WorkerDrainingError)
 
     @contextlib.contextmanager
     def arriving(self, request: Request) -> Iterator[None]:

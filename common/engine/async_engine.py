@@ -53,6 +53,7 @@ from concurrent.futures import Future, InvalidStateError
 from common.cpu import set_torch_threads
 from common.engine.engine import LLMEngine
 from common.engine.output import RequestOutput
+from common.engine.request import Resume
 from common.engine.sampling_params import SamplingParams
 from common.engine.stats import EngineStats, engine_stats
 from common.kv_cache.event_publisher import KVEventPublisher
@@ -95,6 +96,7 @@ class AsyncEngine:
         self._closed_by: EngineDeadError | None = None  # set once: no command runs after it
         self._wake = threading.Event()
         self._queues: dict[str, asyncio.Queue] = {}
+        self._end_with: Callable[[], BaseException] | None = None  # `end_all`
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -139,16 +141,20 @@ class AsyncEngine:
         prompt: str | list[int],
         params: SamplingParams,
         kv_transfer_params: dict | None = None,
+        resume: Resume | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request until it finishes; ValueError for bad input."""
+        """Outputs of one request until it finishes; ValueError for bad input. `resume`: a
+        choice another worker started (`LLMEngine.add_request`)."""
         if not self.is_alive:
             raise EngineDeadError(f"the engine is not running ({self.error!r})")
+        if self._end_with is not None:
+            raise self._end_with()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         finished = False
         try:
             self._num_pending += 1
-            added = self._call(self._add, request_id, prompt, params, kv_transfer_params)
+            added = self._call(self._add, request_id, prompt, params, kv_transfer_params, resume)
             await asyncio.wrap_future(added)
             while not finished:
                 item = await queue.get()
@@ -160,6 +166,14 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    def end_all(self, make_error: Callable[[], BaseException]) -> None:
+        """Every request being generated, and every later one, ends with `make_error()` raised
+        by its `generate`, which aborts it (its blocks freed). On the event loop: a worker
+        that hands its streams to another one (`--drain-migrate`)."""
+        self._end_with = make_error
+        for queue in self._queues.values():
+            queue.put_nowait(make_error())
 
     def abort(self, request_id: str) -> None:
         self._submit(lambda: self.engine.abort_request(request_id), None)
@@ -294,9 +308,10 @@ class AsyncEngine:
         prompt: str | list[int],
         params: SamplingParams,
         kv_transfer_params: dict | None,
+        resume: Resume | None,
     ) -> None:
         self._num_pending -= 1
-        self.engine.add_request(request_id, prompt, params, kv_transfer_params)
+        self.engine.add_request(request_id, prompt, params, kv_transfer_params, resume)
 
     def _drain_commands(self) -> None:
         while self._commands:

@@ -28,7 +28,7 @@ from common.config import EngineConfig, TransferConfig
 from common.engine.decode_graphs import decode_graph_sizes
 from common.engine.model_runner import ModelRunner
 from common.engine.output import OutputProcessor, RequestOutput
-from common.engine.request import Request, RequestStatus
+from common.engine.request import Request, RequestStatus, Resume
 from common.engine.sampler import SampledToken, Sampler, skip_draw
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
@@ -162,25 +162,32 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         kv_transfer_params: dict | None = None,
+        resume: Resume | None = None,
     ) -> None:
+        """`resume`: run the request as choice `resume.choice_index` of one that another worker
+        started, from its next token (n must be 1)."""
         params = params or SamplingParams()
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         params.check_token_ids(self.arch.vocab_size)
+        if resume is not None:
+            self._check_resume(token_ids, params, resume)
         parent = _Parent(text, token_ids)
-        for i in range(params.n):
+        for i in [resume.choice_index] if resume else range(params.n):
             child_id = f"{request_id}#{i}" if params.n > 1 else request_id
             child = Request(
                 child_id,
                 token_ids,
                 _child_params(params, i),
                 prompt=text,
-                kv_transfer_params=kv_transfer_params if i == 0 else None,
+                kv_transfer_params=kv_transfer_params if not parent.children else None,
             )
+            self.outputs.add_request(child)
+            if resume is not None:
+                self._resume(child, resume)
             parent.children.append(child)
             self._children[child.request_id] = (request_id, i)
-            self.outputs.add_request(child)
         first, siblings = parent.children[0], parent.children[1:]
         if wants_remote_prefill(kv_transfer_params) and self.connector is not None:
             first.remote_prefill = RemotePrefill.parse(kv_transfer_params)
@@ -226,6 +233,35 @@ class LLMEngine:
         changed = self.remote.hold_sending(self.scheduler.update(sched, sampled))
         self._release_siblings()
         return self._make_outputs(self.remote.take_ready() + changed)
+
+    def _check_resume(self, prompt_ids: list[int], params: SamplingParams, resume: Resume) -> None:
+        num = resume.num_tokens
+        if params.n != 1:
+            raise ValueError(f"a resumed request runs one choice: n must be 1, got {params.n}")
+        if resume.choice_index < 0 or resume.num_sent_chars < 0:
+            raise ValueError("resume's choice_index and num_sent_chars must be >= 0")
+        bad = [t for t in resume.output_token_ids if not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise ValueError(f"resumed token ids must be in [0, {self.arch.vocab_size}): {bad[:5]}")
+        if num >= params.max_tokens:
+            raise ValueError(f"{num} resumed tokens leave none of max_tokens={params.max_tokens}")
+        if len(prompt_ids) + num >= self.max_model_len:
+            raise ValueError(
+                f"the prompt and {num} resumed tokens fill max_model_len={self.max_model_len}"
+            )
+
+    def _resume(self, req: Request, resume: Resume) -> None:
+        """The outputs another worker generated, as if generated here: appended (counts and
+        penalties see them), one seeded draw skipped for each, and the text the client has
+        marked sent. ValueError (nothing registered) if `num_sent_chars` passes that text."""
+        req.append_resumed(resume.output_token_ids)
+        for _ in range(resume.num_tokens):  # NOTE: exactly the draws the sampler made for them
+            skip_draw(req)
+        try:
+            self.outputs.resume(req, resume.num_sent_chars)
+        except ValueError:
+            self.outputs.remove(req.request_id)
+            raise
 
     def _accept_first_token(self, req: Request) -> None:
         """D: take the prefill worker's first token as generated here (seeded draws included);

@@ -40,6 +40,17 @@ class RequestOutput:
     error: str | None = None  # why a request finished with finish_reason "error"
 
 
+def decoded_text(
+    tokenizer: Tokenizer, prompt_ids: list[int], output_ids: list[int], skip_special: bool
+) -> str:
+    """The text a stream has made final after `output_ids` (an incomplete UTF-8 tail held),
+    as the output processor tracks it: what a resumed request's `num_sent_chars` may reach."""
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special)
+    for token_id in output_ids:
+        detok.add(token_id)
+    return detok.text
+
+
 @dataclass
 class _Track:
     detok: IncrementalDetokenizer
@@ -82,6 +93,23 @@ class OutputProcessor:
         if finished:
             self.remove(req.request_id)
         return out, track.stopped_by
+
+    def resume(self, req: Request, num_sent_chars: int) -> None:
+        """A resumed request (its outputs so far appended): the detokenizer as it was after
+        them, and the client holding exactly `num_sent_chars` characters of their text. Text
+        that the previous worker still held back (a possible stop string) is not sent: it goes
+        out with the next delta. ValueError if the text is shorter than `num_sent_chars`."""
+        track = self._tracks[req.request_id]
+        for token_id in req.output_token_ids[track.num_detok_tokens :]:
+            track.detok.add(token_id)
+        track.num_detok_tokens = req.num_output_tokens
+        track.text = track.detok.text
+        if num_sent_chars > len(track.text):
+            raise ValueError(
+                f"num_sent_chars is {num_sent_chars}, but the output so far decodes to "
+                f"{len(track.text)} characters"
+            )
+        track.num_sent_chars, track.num_sent_tokens = num_sent_chars, req.num_output_tokens
 
     def mark_sent(self, request_id: str) -> None:
         """The client already has all text so far (P's first token, streamed by the proxy)."""

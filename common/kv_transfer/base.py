@@ -79,6 +79,7 @@ class Request(Protocol):
     blocks: list[Block]
     output_token_ids: list[int]
     num_computed_tokens: int
+    num_admitted_tokens: int  # D: the tokens a prefill worker computed (prompt, resumed outputs)
 
     @property
     def num_tokens(self) -> int: ...

@@ -132,8 +132,10 @@ class RemotePrefills:
 
     def _pushed_loss(self, req: Request, rid: str, blocks: list[Block]) -> KVLoss | None:
         """Why a claimed reservation's KV cannot be decoded from, or None: it must hold exactly
-        the prompt's blocks (a smaller one leaves the tail unwritten) and match P's checksums."""
-        needed = -(-req.num_prompt_tokens // self.block_size)
+        the blocks of what P computed (a smaller one leaves the tail unwritten) and match P's
+        checksums. P computed the tokens known at admission: a resumed request's outputs so far
+        are in its prompt there."""
+        needed = -(-req.num_admitted_tokens // self.block_size)
         if len(blocks) != needed:
             why = f"reservation {rid} holds {len(blocks)} blocks, the prompt needs {needed}"
             return KVLoss("remote_blocks_mismatch", why)

@@ -149,7 +149,7 @@ class NixlScheduler:
         self._plans[request.request_id] = plan
         peer = self.worker.peer_layout(remote.remote_engine_id)
         loss = remote.inconsistency(
-            request.num_prompt_tokens,
+            request.num_admitted_tokens,  # P's prompt: a resumed request's outputs too
             self.block_size,
             self.worker.num_layers,
             peer and peer.num_blocks,
