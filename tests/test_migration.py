@@ -268,6 +268,11 @@ def test_sigterm_with_drain_migrate_moves_streams_and_exits_at_once(proxy, worke
     restart(proxy, victim)
 
 
+def _answer(body: dict) -> list:
+    """A whole answer's choices without their logprobs' values (float noise across batches)."""
+    return [(c["index"], c["text"], c["token_ids"], c["finish_reason"]) for c in body["choices"]]
+
+
 def post(url: str, path: str, body: dict) -> httpx.Response:
     return httpx.post(url + path, json={**body, "return_token_ids": True}, timeout=60)
 
@@ -293,22 +298,25 @@ def test_admin_drain_with_migrate_moves_streamed_and_whole_requests(start_server
     victim = busiest(ds)
     drain(proxy, victim)
     thread.join(60)
-    assert whole["choices"] == ref["choices"] and whole["usage"] == ref["usage"]
+    assert whole["choices"] == ref["choices"]
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert {k: whole["usage"][k] for k in counts} == {k: ref["usage"][k] for k in counts}
     assert proxy.metric('pdserve_proxy_migrations_total{reason="drain"}') == 1
     assert wait_until(lambda: victim.metric("pdserve_num_requests_running") == 0)
     # streams, through a proxy of its own (in this one the victim stays drained)
-    survivor = next(d for d in ds if d is not victim)
     other = proxy_for(start_server, p, ds, "--min-disagg-tokens", "100000")  # D alone
     refs = references(other.url, CASES[:3])
     outs, threads = run_all(other.url, CASES[:3])
     assert all(out.started.wait(30) for out in outs)
-    num_running = survivor.metric("pdserve_num_requests_running")
-    drain(other, survivor)
+    drained = busiest(ds)
+    num_running = drained.metric("pdserve_num_requests_running")
+    drain(other, drained)
     for t in threads:
         t.join(60)
     for got, ref in zip(outs, refs, strict=True):
         same(got, ref)
-    assert other.metric('pdserve_proxy_migrations_total{reason="drain"}') >= num_running - 1 > 0
+    moved = other.metric('pdserve_proxy_migrations_total{reason="drain"}')
+    assert moved >= max(1, num_running - 1)  # one may have finished as it was drained
 
 
 @pytest.mark.parametrize("limit", ["0", "3"])
@@ -350,11 +358,8 @@ def test_rolling_restart_of_every_decode_worker_under_load(proxy, workers):
                 if got.error or got.token_ids != refs[i].token_ids or not got.is_done:
                     failures.append(f"stream {i}: {got.error or got.token_ids}")
             else:
-                path, body = cases[i]
-                r = httpx.post(
-                    proxy.url + path, json={**body, "return_token_ids": True}, timeout=60
-                )
-                if r.status_code != 200 or r.json()["choices"] != wholes[i]["choices"]:
+                r = post(proxy.url, *cases[i])
+                if r.status_code != 200 or _answer(r.json()) != _answer(wholes[i]):
                     failures.append(f"whole {i}: {r.status_code} {r.text[:200]}")
             counts[k % 2] += 1
 
