@@ -8,13 +8,13 @@ another D, and the client sees one uninterrupted stream (docs/design.md, "Migrat
   per choice).
 - **When a D fails.** A connection error or reset, silence past `--decode-timeout`, an error
   event with a 5xx (a worker drained with `--drain-migrate` sends one), a stream that ends
-  before its choices did, an ejection by the health checks, or `POST /admin/workers/drain`
-  with `migrate` (both through `InFlight.cut`). Each unfinished choice then goes to another D as
-  its own request (n = 1) with `resume`: the choice's index, its token ids and the characters
-  the client has. Prompt + tokens are computed on P and pulled by D, by the rule of a new
-  request (`--min-disagg-tokens`; pulled even in push mode), else on D itself; D continues
-  exactly (stop strings, penalties, min/max tokens, the detokenizer's state, the seed's draws:
-  common/engine/engine.py).
+  without `[DONE]` before its choices did, an ejection by the health checks, or
+  `POST /admin/workers/drain` with `migrate` (both through `InFlight.cut`). Each unfinished
+  choice then goes to another D as its own request (n = 1) with `resume`: the choice's index,
+  its token ids and the characters the client has. Prompt + tokens are computed on P and
+  pulled by D, by the rule of a new request (`--min-disagg-tokens`; pulled even in push mode),
+  else on D itself; D continues exactly (stop strings, penalties, min/max tokens, the
+  detokenizer's state, the seed's draws: common/engine/engine.py).
 - **Usage.** Without a migration D's usage chunk passes as is; after one, the proxy writes it:
   the prompt once (as D counts it) and every completion token the client received.
 - **Refusals.** No other D, `--migration-limit` reached, a request whose tokens are not known
@@ -171,6 +171,7 @@ class Upstream:
     prefilled: Prefilled | None = None
     task: asyncio.Task | None = None
     cut_reason: str | None = None  # set when the proxy cut it (ejection, drain)
+    is_done: bool = False  # D sent [DONE]: it ended well, whatever its choices said
     unwatch: object = None
 
 
@@ -185,6 +186,7 @@ class MigratingRelay:
         self.failed: tuple[Worker, ...] = ()  # D's that failed this request
         self.active: set[Upstream] = set()
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.error: bytes | None = None  # the last error event a D sent, for a refusal
 
     async def run(self, first: Upstream, start_metric=None) -> AsyncIterator[bytes]:
         """The client's bytes; `start_metric(now)` at the first one."""
@@ -196,6 +198,7 @@ class MigratingRelay:
                 if up not in self.active:
                     continue  # what a stream already given up on still sent
                 if kind == "event":
+                    up.is_done = up.is_done or data == b"data: [DONE]"
                     out, failure = self._event(data)
                     if out:
                         if start_metric is not None:
@@ -211,7 +214,7 @@ class MigratingRelay:
                     kind, data = "failed", failure
                 if kind == "end":
                     self._close(up, ok=True)
-                    if not any(i in self.client.unfinished for i in up.choices):
+                    if up.is_done or not any(i in self.client.unfinished for i in up.choices):
                         continue
                     data = "truncated"
                 else:
@@ -222,7 +225,8 @@ class MigratingRelay:
                     self.orch.metrics.migrations_refused.labels(e.reason).inc()
                     self.orch.metrics.stream_errors.inc()
                     finished = True
-                    yield error_event(e.message)
+                    # D's own error event where it sent one (its message says what failed)
+                    yield self.error or error_event(e.message)
                     return
             if self.client.wants_usage and not self.client.usage_sent:
                 usage = self.client.usage_event()  # after a migration, or a D gone before it
@@ -278,7 +282,7 @@ class MigratingRelay:
         if not raw.startswith(b"data: "):
             return raw + b"\n\n", None
         data = raw[6:]
-        if data == b"[DONE]":
+        if data == b"[DONE]":  # the proxy sends its own once every stream has ended
             return None, None
         try:
             payload = json.loads(data)
@@ -290,6 +294,7 @@ class MigratingRelay:
             if isinstance(code, int) and 400 <= code < 500:
                 return raw + b"\n\n", "client_error"
             logger.warning("decode worker error event: %s", error.get("message"))
+            self.error = raw + b"\n\n" + DONE
             return None, "drain" if error.get("type") == "worker_draining" else "error_event"
         if not isinstance(payload, dict):
             return raw + b"\n\n", None
@@ -315,11 +320,11 @@ class MigratingRelay:
     async def _migrate(self, up: Upstream, reason: str) -> None:
         """Each unfinished choice of a failed stream continues on another D; `Refused` if not."""
         logger.warning("decode worker %s failed a stream (%s)", up.worker.url, reason)
-        if up.worker not in self.failed:
-            self.failed += (up.worker,)
-        if reason in ("connection", "truncated"):
-            up.worker.eject(f"a decode stream failed ({reason})")
+        if up.worker not in self.failed:  # not for this request again; the health checks
+            self.failed += (up.worker,)  # decide for the others
         moving = [i for i in up.choices if i in self.client.unfinished]
+        if reason != "error_event" and reason != "drain":
+            self.error = None  # this failure has no event of its own
         if not moving:
             return  # it failed after its choices finished: nothing to move
         why = self._refusal()
