@@ -1,5 +1,6 @@
 """Request migration with real processes: 1 P + 2 D behind the proxy, a D killed (kill -9),
-SIGTERM'd with `--drain-migrate` or drained by the admin API while streams run on it. Every
+drained by the admin API, or SIGTERM'd with `--drain-migrate` in a rolling restart, while
+streams run on it. Every
 stream ends with [DONE] and no error event, and its text, token ids, logprobs and usage equal
 the same request run uninterrupted; the proxy's migration counters prove the streams moved
 (each test fails with `--migration-limit 0`, which its refusal tests pin down)."""
@@ -248,26 +249,6 @@ def test_push_mode_and_n2_streams_continue(start_server, workers):
     restart(proxy, victim)
 
 
-def test_sigterm_with_drain_migrate_moves_streams_and_exits_at_once(proxy, workers):
-    p, ds = workers
-    refs = references(proxy.url, CASES[:4])
-    outs, threads = run_all(proxy.url, CASES[:4])
-    assert all(out.started.wait(30) for out in outs)
-    victim = busiest(ds)
-    assert victim.metric("pdserve_num_requests_running") >= 1
-    before = migrations(proxy)
-    started = time.monotonic()
-    victim.proc.send_signal(signal.SIGTERM)
-    assert victim.proc.wait(15) == 0
-    assert time.monotonic() - started < 10  # not the drain timeout: the streams moved
-    for t in threads:
-        t.join(60)
-    for got, ref in zip(outs, refs, strict=True):
-        same(got, ref)
-    assert migrations(proxy) > before
-    restart(proxy, victim)
-
-
 def _answer(body: dict) -> list:
     """A whole answer's choices without their logprobs' values (float noise across batches)."""
     return [(c["index"], c["text"], c["token_ids"], c["finish_reason"]) for c in body["choices"]]
@@ -341,7 +322,8 @@ def test_a_stream_that_cannot_move_ends_with_an_error_event(start_server, worker
 
 def test_rolling_restart_of_every_decode_worker_under_load(proxy, workers):
     """Each D in turn SIGTERM'd (`--drain-migrate`) and restarted while clients keep sending
-    streamed and whole requests: not one fails, every answer equals its reference."""
+    streamed and whole requests: each D exits 0 within seconds (not after the drain timeout:
+    its requests moved), not one request fails, every answer equals its reference."""
     p, ds = workers
     cases = [(path, {**body, "max_tokens": 60}) for path, body in CASES[:4]]
     refs = references(proxy.url, cases)
@@ -368,9 +350,11 @@ def test_rolling_restart_of_every_decode_worker_under_load(proxy, workers):
         t.start()
     before = migrations(proxy)
     for victim in ds:
-        time.sleep(1.0)
+        assert wait_until(lambda v=victim: v.metric("pdserve_num_requests_running") > 0)
+        started = time.monotonic()
         victim.proc.send_signal(signal.SIGTERM)
         assert victim.proc.wait(15) == 0
+        assert time.monotonic() - started < 10
         restart(proxy, victim)
     time.sleep(1.0)
     done.set()
