@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import httpx
+import msgspec
 
 from common.api.errors import APIError, UnavailableError
 from proxy.request import COMPLETIONS_PATH, ProxyRequest
@@ -43,6 +44,35 @@ if TYPE_CHECKING:
     from proxy.orchestrator import Orchestrator, Prefilled
 
 logger = logging.getLogger(__name__)
+
+
+class _Delta(msgspec.Struct):
+    role: str | None = None
+    content: str | None = None
+
+
+class _ChoiceView(msgspec.Struct):
+    index: int = 0
+    text: str | None = None
+    delta: _Delta | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    finish_reason: str | None = None
+
+
+class _ChunkView(msgspec.Struct):
+    """The fields of a D event the proxy reads (the rest is passed on as D wrote it)."""
+
+    id: str | None = None
+    created: int | None = None
+    choices: list[_ChoiceView] | None = None
+    usage: dict | None = None
+    prompt_token_ids: list[int] | None = None
+    error: dict | None = None
+
+
+_read_view = msgspec.json.Decoder(_ChunkView).decode
+_encode = msgspec.json.encode
 
 
 @dataclass
@@ -89,6 +119,65 @@ class ClientStream:
     @property
     def unfinished(self) -> list[int]:
         return [i for i, c in self.choices.items() if not c.is_finished]
+
+    def accept(self, data: bytes, view: _ChunkView) -> bytes | None:
+        """The event for the client from one of D's chunks (`data`, JSON; `view`, what the
+        proxy reads of it); None: nothing to send. As D wrote it, less the token ids the
+        client did not ask for, unless it must be rewritten (`rewrite`)."""
+        choices = view.choices or ()
+        if self._must_rewrite(view, choices):
+            out = self.rewrite(msgspec.json.decode(data))
+            return None if out is None else event(out)
+        if self.id is None:
+            self.id, self.created = view.id, view.created
+        if view.created not in (None, self.created):  # a continuation; D after P's token
+            was, now = b'"created":%d' % view.created, b'"created":%d' % self.created
+            if was not in data:
+                return event(self.rewrite(msgspec.json.decode(data)))
+            data = data.replace(was, now, 1)
+        cut = []
+        for c in choices:
+            choice = self.choices.get(c.index)
+            if choice is None:
+                continue
+            text = c.text if c.delta is None else c.delta.content
+            if c.token_ids is None:
+                self.is_tracked = self.is_tracked and not text
+            else:
+                choice.token_ids.extend(c.token_ids)
+                if not self.wants_ids:
+                    cut.append(b',"token_ids":' + _encode(c.token_ids))
+            if c.delta is not None and c.delta.role is not None:
+                choice.has_role = True
+            choice.num_chars += len(text or "")
+            choice.is_finished = choice.is_finished or c.finish_reason is not None
+        if view.usage is not None:
+            self.usage, self.usage_sent = view.usage, True
+        for ids in cut:  # NOTE: D writes compact JSON (pydantic); else it is written anew
+            if ids not in data:
+                payload = msgspec.json.decode(data)
+                for c in payload.get("choices") or ():
+                    c.pop("token_ids", None)
+                return event(payload)
+            data = data.replace(ids, b"", 1)
+        return b"data: " + data + b"\n\n"
+
+    def _must_rewrite(self, view: _ChunkView, choices) -> bool:
+        """A chunk that is not passed on as D wrote it (but for its ids and `created`): one of
+        another id, with prompt token ids, a chat role the client already has, or the usage
+        after a migration (the proxy writes it)."""
+        if view.prompt_token_ids is not None or (self.id is not None and view.id != self.id):
+            return True
+        if self.num_migrations and view.usage is not None:
+            return True
+        for c in choices:
+            if c.prompt_token_ids is not None:
+                return True
+            if c.delta is not None and c.delta.role is not None:
+                choice = self.choices.get(c.index)
+                if choice is not None and choice.has_role:
+                    return True
+        return False
 
     def rewrite(self, payload: dict) -> dict | None:
         """A chunk from D as the client gets it; None: nothing left to send (a second role)."""
@@ -197,9 +286,8 @@ class MigratingRelay:
                 kind, up, data = await self.queue.get()
                 if up not in self.active:
                     continue  # what a stream already given up on still sent
-                if kind == "event":
-                    up.is_done = up.is_done or data == b"data: [DONE]"
-                    out, failure = self._event(data)
+                if kind == "events":
+                    out, failure = self._events(up, data)
                     if out:
                         if start_metric is not None:
                             start_metric()
@@ -252,15 +340,15 @@ class MigratingRelay:
             up.task.cancel()
 
     async def _pump(self, up: Upstream) -> None:
-        """D's events into the queue, one by one; then "end" or why it failed."""
+        """D's events into the queue, those of one read together; then "end" or why it
+        failed."""
         pending = b""
         put = self.queue.put_nowait
         try:
             async for chunk in up.resp.aiter_raw():
-                pending += chunk
-                while (cut := pending.find(b"\n\n")) >= 0:
-                    put(("event", up, pending[:cut]))
-                    pending = pending[cut + 2 :]
+                *events, pending = (pending + chunk).split(b"\n\n")
+                if events:
+                    put(("events", up, events))
             put(("end", up, None))
         except asyncio.CancelledError:
             if up.cut_reason is None:
@@ -276,6 +364,19 @@ class MigratingRelay:
                 logger.exception("reading decode worker %s failed", up.worker.url)
             put(("failed", up, "connection"))
 
+    def _events(self, up: Upstream, events: list[bytes]) -> tuple[bytes, str | None]:
+        """The client's bytes for events of one read, and why D failed (see `_event`): the
+        events after a failure are not sent."""
+        out = []
+        for raw in events:
+            up.is_done = up.is_done or raw == b"data: [DONE]"
+            sent, failure = self._event(raw)
+            if sent:
+                out.append(sent)
+            if failure is not None:
+                return b"".join(out), failure
+        return b"".join(out), None
+
     def _event(self, raw: bytes) -> tuple[bytes | None, str | None]:
         """What to send the client for one of D's events, and why D failed (None: it did not;
         "client_error": the request's own fault, sent and final)."""
@@ -285,21 +386,19 @@ class MigratingRelay:
         if data == b"[DONE]":  # the proxy sends its own once every stream has ended
             return None, None
         try:
-            payload = json.loads(data)
-        except ValueError:
+            view = _read_view(data)
+        except msgspec.DecodeError:  # not a chunk: passed on as it is, and nothing can move
+            self.client.is_tracked = False
             return raw + b"\n\n", None
-        error = payload.get("error") if isinstance(payload, dict) else None
-        if isinstance(error, dict):
+        error = view.error
+        if error is not None:
             code = error.get("code")
             if isinstance(code, int) and 400 <= code < 500:
                 return raw + b"\n\n", "client_error"
             logger.warning("decode worker error event: %s", error.get("message"))
             self.error = raw + b"\n\n" + DONE
             return None, "drain" if error.get("type") == "worker_draining" else "error_event"
-        if not isinstance(payload, dict):
-            return raw + b"\n\n", None
-        out = self.client.rewrite(payload)
-        return (None if out is None else event(out)), None
+        return self.client.accept(data, view), None
 
     def _close(self, up: Upstream, ok: bool = False) -> None:
         """Done with a decode stream; what it holds on P (pull) or D (push) is freed unless it

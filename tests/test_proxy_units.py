@@ -310,3 +310,20 @@ def test_client_stream_without_token_ids_cannot_move():
     assert not client.is_tracked
     batch = ClientStream(ProxyRequest.parse(COMPLETIONS_PATH, b'{"prompt": ["a", "b"]}', "r"))
     assert not batch.is_tracked
+
+
+def test_client_stream_passes_d_bytes_on_with_only_the_ids_cut():
+    from proxy.migration import ClientStream, _read_view
+
+    client = ClientStream(ProxyRequest.parse(COMPLETIONS_PATH, b'{"prompt": "a"}', "r"))
+    data = b'{"id":"c","created":1,"choices":[{"index":0,"text":"h\\u00e9","token_ids":[5,6]}]}'
+    out = client.accept(data, _read_view(data))
+    assert out == b'data: {"id":"c","created":1,"choices":[{"index":0,"text":"h\\u00e9"}]}\n\n'
+    assert client.choices[0].token_ids == [5, 6] and client.choices[0].num_chars == 2
+    spaced = b'{"id": "c", "choices": [{"index": 0, "text": "x", "token_ids": [7]}]}'
+    again = json.loads(client.accept(spaced, _read_view(spaced))[len(b"data: ") :])
+    assert again["choices"] == [{"index": 0, "text": "x"}]  # not D's layout: written anew
+    assert client.choices[0].token_ids == [5, 6, 7] and client.is_tracked
+    done = b'{"id":"c","choices":[{"index":0,"text":"","token_ids":[],"finish_reason":"stop"}]}'
+    client.accept(done, _read_view(done))
+    assert client.unfinished == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -109,10 +110,11 @@ async def _stream(
     tokenizer = state.engine.engine.tokenizer
     started: set[int] = set()
     num_tokens = num_tokens_sent_before(job)
+    created = int(time.time())  # one for every chunk of the stream, as OpenAI and vLLM
 
     def chunk(choice: ChatStreamChoice, **extra) -> str:
         body = ChatCompletionStreamResponse(
-            id=response_id, model=state.model_name, choices=[choice], **extra
+            id=response_id, created=created, model=state.model_name, choices=[choice], **extra
         )
         return sse(body.model_dump_json(exclude_none=True))
 
@@ -142,7 +144,11 @@ async def _stream(
             )
     if wants_usage(req):
         body = ChatCompletionStreamResponse(
-            id=response_id, model=state.model_name, choices=[], usage=_usage(job, num_tokens)
+            id=response_id,
+            created=created,
+            model=state.model_name,
+            choices=[],
+            usage=_usage(job, num_tokens),
         )
         yield sse(body.model_dump_json(exclude_none=True))
 

@@ -5,6 +5,7 @@ Choice indices follow OpenAI: prompt i's j-th sample is choice `i * n + j`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -133,6 +134,7 @@ async def _stream(
     tokenizer = state.engine.engine.tokenizer
     num_chars: dict[int, int] = {}  # text offset per choice (a resumed one: from the client's)
     num_tokens = num_tokens_sent_before(jobs[0])
+    created = int(time.time())  # one for every chunk of the stream, as OpenAI and vLLM
     async for job, out in outputs:
         for c in out.outputs:
             if not (c.delta_text or c.delta_token_ids or c.finish_reason):
@@ -157,12 +159,16 @@ async def _stream(
                 token_ids=c.delta_token_ids if req.return_token_ids else None,
             )
             chunk = CompletionStreamResponse(
-                id=response_id, model=state.model_name, choices=[choice]
+                id=response_id, created=created, model=state.model_name, choices=[choice]
             )
             yield sse(chunk.model_dump_json(exclude_none=True))
     if wants_usage(req):
         chunk = CompletionStreamResponse(
-            id=response_id, model=state.model_name, choices=[], usage=_usage(jobs, num_tokens)
+            id=response_id,
+            created=created,
+            model=state.model_name,
+            choices=[],
+            usage=_usage(jobs, num_tokens),
         )
         yield sse(chunk.model_dump_json(exclude_none=True))
 
