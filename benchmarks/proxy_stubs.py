@@ -3,8 +3,9 @@ through a proxy measures is the proxy.
 
 `python benchmarks/proxy_stubs.py prefill --port N`: answers a completion request that asks for
 `do_remote_decode` with vLLM-style `kv_transfer_params` (no first token, so every proxy does the
-same work: one prefill call, then D's stream). `decode --port N`: streams 16 chunks and
-`[DONE]` (or one JSON body when `stream` is false). Both answer `/health` and `/v1/models`.
+same work: one prefill call, then D's stream). `decode --port N`: streams 16 chunks (with
+`token_ids` when the request asks, as a worker does) and `[DONE]` (or one JSON body when
+`stream` is false). Both answer `/health` and `/v1/models`.
 A bare ASGI app on uvicorn (httptools, uvloop): no framework between the socket and the answer.
 """
 
@@ -37,6 +38,10 @@ _PREFILLED = json.dumps(
 _CHUNK = (
     b'data: {"id":"cmpl-stub","object":"text_completion","model":"stub",'
     b'"choices":[{"index":0,"text":" tok","finish_reason":null}]}\n\n'
+)
+_CHUNK_IDS = (  # with `return_token_ids`, as a worker writes it (pdserve's proxy asks for them)
+    b'data: {"id":"cmpl-stub","object":"text_completion","model":"stub",'
+    b'"choices":[{"index":0,"text":" tok","finish_reason":null,"token_ids":[1234]}]}\n\n'
 )
 _WHOLE = json.dumps(
     {"id": "cmpl-stub", "object": "text_completion", "model": "stub",
@@ -75,8 +80,9 @@ def make_app(role: str):
             return await _send(send, 200, _WHOLE, b"application/json")
         headers = [(b"content-type", b"text/event-stream")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
+        chunk = _CHUNK_IDS if request.get("return_token_ids") else _CHUNK
         for _ in range(NUM_CHUNKS):
-            await send({"type": "http.response.body", "body": _CHUNK, "more_body": True})
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
     return app
