@@ -171,7 +171,11 @@ def _logprob_items(lp: dict) -> list[dict]:
 
 
 def references(url: str, cases) -> list[Stream]:
-    return [stream(url, path, body) for path, body in cases]
+    """The cases run uninterrupted, together (as they run when a worker fails)."""
+    outs, threads = run_all(url, cases)
+    for t in threads:
+        t.join(60)
+    return outs
 
 
 def busiest(ds) -> object:
@@ -198,29 +202,6 @@ def restart(proxy, server) -> None:
     assert wait_until(lambda: readmitted(proxy, server), timeout=20)
 
 
-def test_a_killed_decode_workers_streams_continue_on_the_other(proxy, workers):
-    p, ds = workers
-    refs = references(proxy.url, CASES)
-    cases = [*CASES[:7], with_late_stop(CASES[7], refs[7])]
-    refs[7] = stream(proxy.url, *cases[7])
-    assert refs[7].finish == {0: "stop"}
-    outs, threads = run_all(proxy.url, cases)
-    assert all(out.started.wait(30) for out in outs)
-    victim = busiest(ds)
-    num_running = victim.metric("pdserve_num_requests_running")
-    assert num_running >= 2
-    victim.stop(signal.SIGKILL)
-    for t in threads:
-        t.join(60)
-    for got, ref in zip(outs, refs, strict=True):
-        same(got, ref)
-    assert migrations(proxy) >= num_running - 1  # one may have finished as it was killed
-    survivor = next(d for d in ds if d is not victim)
-    assert wait_until(lambda: survivor.metric("pdserve_kv_blocks_used") == 0)
-    assert wait_until(lambda: p.metric("pdserve_kv_blocks_used") == 0)
-    restart(proxy, victim)
-
-
 N2_CASES = [
     ("/v1/completions", dict(prompt=PROMPTS[4], n=2, max_tokens=MAX_TOKENS, temperature=1.0,
                              seed=9, ignore_eos=True)),
@@ -230,22 +211,35 @@ N2_CASES = [
 ]  # fmt: skip
 
 
-def test_push_mode_and_n2_streams_continue(start_server, workers):
+def test_a_killed_decode_workers_streams_continue_on_the_other(start_server, proxy, workers):
+    """Streams through two proxies at once, one pulling (8 kinds of request), one pushing (n = 2
+    among them); one kill -9 of the busier D moves the streams of both."""
     p, ds = workers
-    proxy = proxy_for(start_server, p, ds, "--mode", "push")
-    cases = [*CASES[:3], *N2_CASES]
-    refs = references(proxy.url, cases)
-    assert all(len(ref.texts) == 2 for ref in refs[3:])
+    push = proxy_for(start_server, p, ds, "--mode", "push")
+    refs = references(proxy.url, CASES)
+    cases = [*CASES[:7], with_late_stop(CASES[7], refs[7])]
+    refs[7] = stream(proxy.url, *cases[7])
+    assert refs[7].finish == {0: "stop"}
+    push_cases = [*CASES[:3], *N2_CASES]
+    push_refs = references(push.url, push_cases)
+    assert all(len(ref.texts) == 2 for ref in push_refs[3:])
     outs, threads = run_all(proxy.url, cases)
-    assert all(out.started.wait(30) for out in outs)
+    push_outs, push_threads = run_all(push.url, push_cases)
+    assert all(out.started.wait(30) for out in outs + push_outs)
     victim = busiest(ds)
-    assert victim.metric("pdserve_num_requests_running") >= 2
+    num_running = victim.metric("pdserve_num_requests_running")
+    assert num_running >= 4
     victim.stop(signal.SIGKILL)
-    for t in threads:
+    for t in threads + push_threads:
         t.join(60)
-    for got, ref in zip(outs, refs, strict=True):
+    for got, ref in zip(outs + push_outs, refs + push_refs, strict=True):
         same(got, ref)
-    assert migrations(proxy) >= 2
+    # one may have finished as it was killed
+    assert migrations(proxy) + migrations(push) >= num_running - 1
+    assert migrations(proxy) > 0 and migrations(push) > 0
+    survivor = next(d for d in ds if d is not victim)
+    assert wait_until(lambda: survivor.metric("pdserve_kv_blocks_used") == 0)
+    assert wait_until(lambda: p.metric("pdserve_kv_blocks_used") == 0)
     restart(proxy, victim)
 
 
