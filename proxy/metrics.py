@@ -15,7 +15,8 @@ and `pdserve_proxy_prefix_query_blocks{role}` (the prompts' full blocks),
 `pdserve_proxy_prefill_cached_tokens` of `pdserve_proxy_prefill_prompt_tokens`. Migration
 (proxy/migration.py): `pdserve_proxy_migrations_total{reason}` (`connection`, `timeout`,
 `error_event`, `ejected`, `drain`, `truncated`), `pdserve_proxy_migrations_refused_total{reason}`
-(`limit`, `no_decode`, `untracked`, `batch`, `rejected`) and
+(`limit`, `no_decode`, `untracked`, `rejected`, `unsupported`: a worker that does not
+say it continued) and
 `pdserve_proxy_migration_recomputed_tokens_total`.
 """
 

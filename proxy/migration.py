@@ -35,6 +35,7 @@ import httpx
 import msgspec
 
 from common.api.errors import APIError, UnavailableError
+from common.api.protocol import RESUMED_HEADER
 from proxy.request import COMPLETIONS_PATH, ProxyRequest
 from proxy.sse import DONE, error_event, event
 from proxy.upstream import UpstreamError, error_message, open_stream
@@ -481,6 +482,13 @@ class MigratingRelay:
                     message = error_message(e.body) or e.message
                     raise Refused("rejected", f"the request could not move: {message}") from e
                 continue
+            if resp.headers.get(RESUMED_HEADER) != "1":  # a worker without `resume` (vLLM's)
+                decode.num_outstanding -= 1
+                self.orch.spawn(resp.aclose())
+                self.orch.give_back(prefilled)
+                raise Refused(
+                    "unsupported", "the decode worker failed mid-stream; no other can continue it"
+                )
             prompt = self.client.prompt_token_ids
             num_prompt = self.req.estimated_tokens() if prompt is None else len(prompt)
             recomputed = num_prompt + len(choice.token_ids)

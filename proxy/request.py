@@ -107,6 +107,12 @@ class ProxyRequest:
         has_ids = self.body.get("return_token_ids") is True
         if kv_transfer_params is None and (has_ids or not track):
             return self.raw
+        head = self.raw.rstrip()
+        if kv_transfer_params is None and head.endswith(b"}"):
+            # NOTE: the key added at the end, not the body encoded again (a long chat costs
+            # tens of µs to encode); a parser keeps the last of a repeated key
+            sep = b"," if head[:-1].rstrip() != b"{" else b""
+            return head[:-1] + sep + b'"return_token_ids":true}'
         body = dict(self.body)
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.servers import wait_until
+from tests.servers import free_port, wait_until
+from tests.stub_worker import StubWorkers
 
 PROMPTS = [list(range(7 + 3 * i, 40 + 5 * i)) for i in range(8)]
 MAX_TOKENS = 300
@@ -357,3 +358,31 @@ def test_rolling_restart_of_every_decode_worker_under_load(proxy, workers):
     assert not failures, failures[:5]
     assert sum(counts) >= 8
     assert migrations(proxy) > before  # the load was on the workers when they went
+
+
+def test_a_worker_that_does_not_continue_is_never_passed_on(start_server, workers, tmp_path):
+    """The only other D ignores `resume` (it would start the answer again, as a vLLM worker
+    would): the proxy sees no `x-pdserve-resumed` on its answer and ends the stream with the
+    error event instead."""
+    p, ds = workers
+    stub = StubWorkers(["127.0.0.1"], free_port(), tmp_path / "stub.log").wait_ready()
+    try:
+        proxy = proxy_for(start_server, p, ds[:1])
+        out = Stream()
+        thread = threading.Thread(target=stream, args=(proxy.url, *CASES[0], out))
+        thread.start()
+        assert out.started.wait(30)
+        r = httpx.post(
+            f"{proxy.url}/admin/workers", json={"role": "decode", "url": stub.url},
+            headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10,
+        )  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert wait_until(lambda: readmitted(proxy, stub))
+        drain(proxy, ds[0])
+        thread.join(60)
+        assert out.is_done and out.error is not None and not out.finish
+        assert stub.served("127.0.0.1") == 1  # it was asked, and its answer dropped
+        refused = 'pdserve_proxy_migrations_refused_total{reason="unsupported"}'
+        assert proxy.metric(refused) == 1
+    finally:
+        stub.stop()

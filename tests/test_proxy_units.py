@@ -327,3 +327,15 @@ def test_client_stream_passes_d_bytes_on_with_only_the_ids_cut():
     done = b'{"id":"c","choices":[{"index":0,"text":"","token_ids":[],"finish_reason":"stop"}]}'
     client.accept(done, _read_view(done))
     assert client.unfinished == []
+
+
+def test_decode_body_asks_for_token_ids_without_encoding_the_body_again():
+    raw = b'{"prompt": "a", "stream": true, "return_token_ids": false}\n'
+    req = ProxyRequest.parse(COMPLETIONS_PATH, raw, "r")
+    tracked = req.decode_body(None, track=True)
+    assert json.loads(tracked) == {"prompt": "a", "stream": True, "return_token_ids": True}
+    assert tracked.startswith(raw.rstrip()[:-1])  # the client's bytes, one key added
+    asked = ProxyRequest.parse(COMPLETIONS_PATH, b'{"prompt":"a","return_token_ids":true}', "r")
+    assert asked.decode_body(None, track=True) == asked.raw
+    with_kv = json.loads(req.decode_body({"remote_engine_id": "e"}, track=True))
+    assert with_kv["return_token_ids"] is True and with_kv["kv_transfer_params"]

@@ -316,6 +316,8 @@ def test_non_streamed_resume_counts_the_resumed_tokens(server):
     resume = {"choice_index": 1, "output_token_ids": ids[:4], "num_sent_chars": 0}
     r = post(server, "/v1/completions", {**body, "resume": resume, "return_token_ids": True})
     assert r.status_code == 200, r.text
+    assert r.headers["x-pdserve-resumed"] == "1"  # the proxy moves a stream only on this word
+    assert "x-pdserve-resumed" not in post(server, "/v1/completions", body).headers
     out = r.json()
     assert out["choices"][0]["index"] == 1 and out["choices"][0]["token_ids"] == ids
     assert out["usage"]["completion_tokens"] == 10

@@ -53,7 +53,11 @@ async def create_chat_completion(
     outputs = run_jobs(state, engine, [job])
     stream = _stream(state, req, response_id, job, outputs) if req.stream else None
     return await respond(
-        request, outputs, stream, lambda items: _response(state, req, response_id, job, items)
+        request,
+        outputs,
+        stream,
+        lambda items: _response(state, req, response_id, job, items),
+        resumed=job.resume is not None,
     )
 
 

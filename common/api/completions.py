@@ -63,7 +63,11 @@ async def create_completion(
     outputs = run_jobs(state, engine, jobs)
     stream = _stream(state, req, response_id, jobs, outputs) if req.stream else None
     return await respond(
-        request, outputs, stream, lambda items: _response(state, req, response_id, jobs, items)
+        request,
+        outputs,
+        stream,
+        lambda items: _response(state, req, response_id, jobs, items),
+        resumed=jobs[0].resume is not None,
     )
 
 

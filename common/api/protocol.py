@@ -63,6 +63,9 @@ if TYPE_CHECKING:  # the proxy imports these models without torch or tokenizers
     from common.tokenizer import Tokenizer
 
 MAX_LOGPROBS = 20
+# on the answer to a request with `resume`: the worker continued it (one that ignores the field
+# would start the answer again, and the proxy must not pass that on)
+RESUMED_HEADER = "x-pdserve-resumed"
 # chat_template_kwargs may not override what the request sets through its own fields
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
 

@@ -25,7 +25,7 @@ from common.api.errors import (
     UnavailableError,
 )
 from common.api.internal import check_internal_token
-from common.api.protocol import ResumeParams
+from common.api.protocol import RESUMED_HEADER, ResumeParams
 from common.api.state import ServerState
 from common.engine.async_engine import AsyncEngine, EngineDeadError
 from common.engine.output import RequestOutput, decoded_text
@@ -242,15 +242,20 @@ async def respond(
     outputs: AsyncIterator,
     stream: AsyncGenerator[str, None] | None,
     body: Callable[[list], dict],
+    resumed: bool = False,
 ) -> Response:
     """A generation handler's tail: `stream` (the SSE events) as a streamed response, or, when
-    None, every output collected and `body(items)` as JSON; 499 when the client left first."""
+    None, every output collected and `body(items)` as JSON; 499 when the client left first.
+    `resumed`: the answer says it continues a choice (`RESUMED_HEADER`)."""
+    headers = {RESUMED_HEADER: "1"} if resumed else None
     if stream is not None:
-        return StreamingResponse(_ended(stream, outputs), media_type="text/event-stream")
+        return StreamingResponse(
+            _ended(stream, outputs), media_type="text/event-stream", headers=headers
+        )
     items = await collect(request, outputs)
     if items is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
-    return JSONResponse(body(items))
+    return JSONResponse(body(items), headers=headers)
 
 
 async def _ended(events: AsyncGenerator[str, None], outputs: AsyncIterator) -> AsyncIterator[str]:
