@@ -5,7 +5,9 @@ health checks eject it, `cut(worker)` ends every call waiting on it with `Worker
 `UpstreamError`), and the orchestrator retries the request like any failed prefill. A call
 whose own request is cancelled (its client left) is cancelled as usual: the two never look alike.
 Decode streams register a callback (`watch`): an ejection, or a drain with migration
-(`cut(worker, "drain")`), calls it, and the stream moves to another worker (proxy/migration.py).
+(`cut(worker, "drain")`), calls it, and the stream moves to another worker (proxy/migration.py)
+where one can take it; a decode call or stream with nowhere to go keeps waiting on its worker
+(a frozen D that thaws still answers), bounded by its timeout.
 """
 
 from __future__ import annotations
@@ -22,29 +24,33 @@ T = TypeVar("T")
 
 class InFlight:
     def __init__(self) -> None:
-        self._waiting: dict[Worker, set[asyncio.Future]] = {}  # resolved on the worker's ejection
+        # resolved on the worker's ejection, unless its `movable` (if any) says no
+        self._waiting: dict[Worker, dict[asyncio.Future, Callable[[], bool] | None]] = {}
         self._streams: dict[Worker, set[Callable[[str], None]]] = {}  # called with the reason
 
     def num_calls(self, worker: Worker) -> int:
         return len(self._waiting.get(worker, ()))
 
-    async def call(self, worker: Worker, call: Awaitable[T]) -> T:
-        """`call`'s result, or `WorkerEjected` as soon as the worker is ejected."""
+    async def call(
+        self, worker: Worker, call: Awaitable[T], movable: Callable[[], bool] | None = None
+    ) -> T:
+        """`call`'s result, or `WorkerEjected` as soon as the worker is ejected; with
+        `movable`, only if it says the call has somewhere else to go at that moment."""
         task = asyncio.ensure_future(call)
-        if not worker.is_healthy:  # ejected between being chosen and being called
+        if not worker.is_healthy and (movable is None or movable()):  # ejected meanwhile
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             raise _ejected(worker, worker.last_error)
         ejected = asyncio.get_running_loop().create_future()
-        waiting = self._waiting.setdefault(worker, set())
-        waiting.add(ejected)
+        waiting = self._waiting.setdefault(worker, {})
+        waiting[ejected] = movable
         try:
             done, _ = await asyncio.wait((task, ejected), return_when=asyncio.FIRST_COMPLETED)
         except BaseException:  # cancelled: the client left
             task.cancel()
             raise
         finally:
-            waiting.discard(ejected)
+            waiting.pop(ejected, None)
             if not waiting and self._waiting.get(worker) is waiting:
                 del self._waiting[worker]
         if task in done:
@@ -69,10 +75,10 @@ class InFlight:
         """The worker was ejected (or is drained by migration): end every call waiting on it,
         and tell every stream from it."""
         why = worker.last_error if reason == "ejected" else reason
-        for ejected in self._waiting.pop(worker, ()):
-            if not ejected.done():
+        for ejected, movable in list(self._waiting.get(worker, {}).items()):
+            if not ejected.done() and (movable is None or movable()):
                 ejected.set_result(why)
-        for on_cut in list(self._streams.pop(worker, ())):
+        for on_cut in list(self._streams.get(worker, ())):  # each leaves when it closes
             on_cut(reason)
 
 

@@ -110,12 +110,14 @@ class ClientStream:
         self.num_migrations = 0
 
     def first_token(self, answer_events: bytes, token_id: int | None) -> None:
-        """P's first token, sent by the proxy itself (proxy/sse.py `first_token_events`)."""
+        """P's first token, sent by the proxy itself (proxy/sse.py `first_token_events`, which
+        carry the token's id only when the client asked: `token_id` says it)."""
+        is_tracked = self.is_tracked
         for raw in answer_events.split(b"\n\n"):
             if raw.startswith(b"data: {"):
-                self.rewrite(json.loads(raw[6:]))
+                self.accept(raw[6:], _read_view(raw[6:]))
         self.choices[0].token_ids = [] if token_id is None else [token_id]
-        self.is_tracked = self.is_tracked and token_id is not None
+        self.is_tracked = is_tracked and token_id is not None
 
     @property
     def unfinished(self) -> list[int]:
@@ -123,114 +125,93 @@ class ClientStream:
 
     def accept(self, data: bytes, view: _ChunkView) -> bytes | None:
         """The event for the client from one of D's chunks (`data`, JSON; `view`, what the
-        proxy reads of it); None: nothing to send. As D wrote it, less the token ids the
-        client did not ask for, unless it must be rewritten (`rewrite`)."""
+        proxy reads of it), once tracked; None: nothing to send. As D wrote it, less the token
+        ids the client did not ask for and with the stream's `created`, unless it must be
+        written anew: one with prompt token ids or another id, a chat role the client already
+        has, or the usage after a migration (the proxy writes that one at the end)."""
         choices = view.choices or ()
-        if self._must_rewrite(view, choices):
-            out = self.rewrite(msgspec.json.decode(data))
-            return None if out is None else event(out)
-        if self.id is None:
-            self.id, self.created = view.id, view.created
+        had_role = {
+            c.index
+            for c in choices
+            if c.delta is not None and c.delta.role is not None
+            and (choice := self.choices.get(c.index)) is not None and choice.has_role
+        }  # fmt: skip
+        first_prompt_ids = self.prompt_token_ids is None
+        anew = (
+            bool(had_role)
+            or view.prompt_token_ids is not None
+            or any(c.prompt_token_ids is not None for c in choices)
+            or (self.id is not None and view.id != self.id)
+            or (self.num_migrations > 0 and view.usage is not None)
+        )
+        self._track(view, choices)
+        if anew:
+            return self._written_anew(msgspec.json.decode(data), had_role, first_prompt_ids)
         if view.created not in (None, self.created):  # a continuation; D after P's token
             was, now = b'"created":%d' % view.created, b'"created":%d' % self.created
             if was not in data:
-                return event(self.rewrite(msgspec.json.decode(data)))
+                return self._written_anew(msgspec.json.decode(data), had_role, False)
             data = data.replace(was, now, 1)
-        cut = []
+        for c in () if self.wants_ids else choices:
+            if c.token_ids is None:
+                continue
+            ids = b',"token_ids":' + _encode(c.token_ids)
+            if ids not in data:  # NOTE: D writes compact JSON (pydantic); else written anew
+                return self._written_anew(msgspec.json.decode(data), had_role, False)
+            data = data.replace(ids, b"", 1)
+        self.usage_sent = self.usage_sent or view.usage is not None
+        return b"data: " + data + b"\n\n"
+
+    def _track(self, view: _ChunkView, choices) -> None:
+        """What the client gets of this chunk: per choice its ids, characters, role, end."""
+        if self.id is None:
+            self.id, self.created = view.id, view.created
+        if self.prompt_token_ids is None:
+            found = (c.prompt_token_ids for c in choices if c.prompt_token_ids is not None)
+            self.prompt_token_ids = view.prompt_token_ids or next(found, None)
+        if view.usage is not None:
+            self.usage = view.usage
         for c in choices:
             choice = self.choices.get(c.index)
-            if choice is None:
+            if choice is None:  # not a choice of this request (a batch's prompt > 0)
                 continue
             text = c.text if c.delta is None else c.delta.content
-            if c.token_ids is None:
+            if c.token_ids is None:  # a D that does not say its token ids: nothing moves
                 self.is_tracked = self.is_tracked and not text
             else:
                 choice.token_ids.extend(c.token_ids)
-                if not self.wants_ids:
-                    cut.append(b',"token_ids":' + _encode(c.token_ids))
-            if c.delta is not None and c.delta.role is not None:
-                choice.has_role = True
+            choice.has_role = choice.has_role or (c.delta is not None and c.delta.role is not None)
             choice.num_chars += len(text or "")
             choice.is_finished = choice.is_finished or c.finish_reason is not None
-        if view.usage is not None:
-            self.usage, self.usage_sent = view.usage, True
-        for ids in cut:  # NOTE: D writes compact JSON (pydantic); else it is written anew
-            if ids not in data:
-                payload = msgspec.json.decode(data)
-                for c in payload.get("choices") or ():
-                    c.pop("token_ids", None)
-                return event(payload)
-            data = data.replace(ids, b"", 1)
-        return b"data: " + data + b"\n\n"
 
-    def _must_rewrite(self, view: _ChunkView, choices) -> bool:
-        """A chunk that is not passed on as D wrote it (but for its ids and `created`): one of
-        another id, with prompt token ids, a chat role the client already has, or the usage
-        after a migration (the proxy writes it)."""
-        if view.prompt_token_ids is not None or (self.id is not None and view.id != self.id):
-            return True
-        if self.num_migrations and view.usage is not None:
-            return True
-        for c in choices:
-            if c.prompt_token_ids is not None:
-                return True
-            if c.delta is not None and c.delta.role is not None:
-                choice = self.choices.get(c.index)
-                if choice is not None and choice.has_role:
-                    return True
-        return False
-
-    def rewrite(self, payload: dict) -> dict | None:
-        """A chunk from D as the client gets it; None: nothing left to send (a second role)."""
-        self.id = self.id or payload.get("id")
-        self.created = self.created or payload.get("created")
+    def _written_anew(
+        self, payload: dict, had_role: set[int], first_prompt_ids: bool
+    ) -> bytes | None:
         payload["id"], payload["created"] = self.id, self.created
-        self._prompt_ids(payload)
-        if payload.get("usage") is not None:
-            self.usage = payload["usage"]
+        keep_prompt_ids = first_prompt_ids and self.wants_ids  # sent once, and only if asked
+        if not keep_prompt_ids:
+            payload.pop("prompt_token_ids", None)
+        usage = payload.get("usage")
         choices = payload.get("choices")
         if not choices:
-            if self.num_migrations and payload.get("usage") is not None:
+            if usage is not None and self.num_migrations:
                 return None  # written at the end (`usage_event`)
-            self.usage_sent = self.usage_sent or payload.get("usage") is not None
-            return payload
-        payload["choices"] = [c for c in map(self._choice, choices) if c is not None]
-        return payload if payload["choices"] or payload.get("usage") else None
-
-    def _prompt_ids(self, holder: dict) -> None:
-        ids = holder.get("prompt_token_ids")
-        if ids is None:
-            return
-        if self.prompt_token_ids is None:
-            self.prompt_token_ids = ids
-            if self.wants_ids:
-                return
-        del holder["prompt_token_ids"]  # sent once, and only when asked for
-
-    def _choice(self, raw: dict) -> dict | None:
-        choice = self.choices.get(raw.get("index"))
-        if choice is None:  # not a choice of this request (a batch's prompt > 0): passed on
-            self._prompt_ids(raw)
-            return raw
-        self._prompt_ids(raw)
-        ids = raw.get("token_ids") if self.wants_ids else raw.pop("token_ids", None)
-        if self.is_chat:
-            delta = raw.get("delta") or {}
-            if "role" in delta:
-                if choice.has_role:
-                    del delta["role"]
-                    if not delta.get("content") and _is_bare(raw, delta):
-                        return None
-                choice.has_role = True
-            text = delta.get("content")
-        else:
-            text = raw.get("text")
-        if ids is None and text:
-            self.is_tracked = False  # a D that does not say its token ids: no migration
-        choice.token_ids.extend(ids or ())
-        choice.num_chars += len(text or "")
-        choice.is_finished = choice.is_finished or raw.get("finish_reason") is not None
-        return raw
+            self.usage_sent = self.usage_sent or usage is not None
+            return event(payload)
+        kept = []
+        for raw in choices:
+            if not keep_prompt_ids:
+                raw.pop("prompt_token_ids", None)
+            if not self.wants_ids:
+                raw.pop("token_ids", None)
+            delta = raw.get("delta")
+            if raw.get("index") in had_role and isinstance(delta, dict):
+                delta.pop("role", None)
+                if not delta.get("content") and _is_bare(raw, delta):
+                    continue
+            kept.append(raw)
+        payload["choices"] = kept
+        return event(payload) if kept or usage is not None else None
 
     def usage_event(self) -> bytes | None:
         """After a migration: the usage chunk, the prompt once and every completion token."""
@@ -336,9 +317,15 @@ class MigratingRelay:
         up.unwatch = self.orch.inflight.watch(up.worker, lambda reason: self._cut(up, reason))
 
     def _cut(self, up: Upstream, reason: str) -> None:
-        if up in self.active and up.task is not None and not up.task.done():
+        """Ejected or drained: the stream moves now, if it can (else it goes on waiting)."""
+        if up in self.active and up.task is not None and not up.task.done() and self.can_move(up):
             up.cut_reason = reason
             up.task.cancel()
+
+    def can_move(self, up: Upstream) -> bool:
+        """Another D could take this stream's choices now (`_refusal` aside from the D)."""
+        exclude = (*self.failed, up.worker)
+        return self._refusal() is None and bool(self.orch.pools["decode"].routable(exclude))
 
     async def _pump(self, up: Upstream) -> None:
         """D's events into the queue, those of one read together; then "end" or why it

@@ -224,9 +224,15 @@ class Orchestrator:
         content = self._decode_content(req, prefilled, first_sent=False)
         failed: tuple[Worker, ...] = ()
         while True:
+            limit_left = len(failed) < self.cfg.migration_limit
+            exclude = (*failed, decode)
+
+            def movable(limit_left=limit_left, exclude=exclude) -> bool:
+                return limit_left and bool(self.pools["decode"].routable(exclude))
+
             try:
                 return await self.inflight.call(
-                    decode, self._answer_whole(req, decode, prefilled, content)
+                    decode, self._answer_whole(req, decode, prefilled, content), movable
                 )
             except UpstreamError as e:
                 self.give_back(prefilled)

@@ -297,22 +297,32 @@ def test_admin_drain_with_migrate_moves_streamed_and_whole_requests(start_server
 
 @pytest.mark.parametrize("limit", ["0", "3"])
 def test_a_stream_that_cannot_move_ends_with_an_error_event(start_server, workers, limit):
-    """Limit 0: no migration; limit 3 with a single D: no other worker to continue on."""
+    """Limit 0: no migration; limit 3 with a single D: no other worker to continue on. A drain
+    with migrate then leaves the stream on its worker (it goes on); a D that fails (frozen past
+    the decode timeout) ends it with the error event."""
     p, ds = workers
     pool = ds if limit == "0" else ds[:1]
-    proxy = proxy_for(start_server, p, pool, "--migration-limit", limit)
+    proxy = proxy_for(start_server, p, pool, "--migration-limit", limit, "--decode-timeout", "2")
     out = Stream()
     thread = threading.Thread(target=stream, args=(proxy.url, *CASES[0], out))
     thread.start()
     assert out.started.wait(30)
-    drain(proxy, busiest(pool))
-    thread.join(60)
+    victim = busiest(pool)
+    drain(proxy, victim)  # nowhere to move it: it goes on where it is
+    num_tokens = len(out.token_ids[0])
+    assert wait_until(lambda: len(out.token_ids[0]) > num_tokens + 5) and out.error is None
+    victim.proc.send_signal(signal.SIGSTOP)
+    try:
+        thread.join(10)
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
     assert out.is_done and out.error is not None
     assert "decode worker failed mid-stream" in out.error["message"]
     assert len(out.token_ids[0]) < MAX_TOKENS and not out.finish  # no answer that claims success
     reason = "limit" if limit == "0" else "no_decode"
     assert proxy.metric(f'pdserve_proxy_migrations_refused_total{{reason="{reason}"}}') == 1
     assert migrations(proxy) == 0
+    assert wait_until(lambda: victim.metric("pdserve_num_requests_running") == 0)
 
 
 def test_rolling_restart_of_every_decode_worker_under_load(proxy, workers):
@@ -385,4 +395,4 @@ def test_a_worker_that_does_not_continue_is_never_passed_on(start_server, worker
         refused = 'pdserve_proxy_migrations_refused_total{reason="unsupported"}'
         assert proxy.metric(refused) == 1
     finally:
-        stub.stop()
+        stub.stop(signal.SIGKILL)  # its answer streams on for seconds to a closed connection

@@ -274,6 +274,15 @@ def test_merged_metrics_sum_amounts_and_take_the_largest_view():
     assert values["pdserve_proxy_requests_total"] == 12
 
 
+def feed(client, payload: dict) -> dict | None:
+    """One of D's chunks through a ClientStream: what the client gets of it, as JSON."""
+    from proxy.migration import _read_view
+
+    data = json.dumps(payload, separators=(",", ":")).encode()
+    out = client.accept(data, _read_view(data))
+    return None if out is None else json.loads(out[len(b"data: ") :])
+
+
 def test_client_stream_tracks_what_the_client_has_and_rewrites_a_continuation():
     from proxy.migration import ClientStream
 
@@ -282,21 +291,21 @@ def test_client_stream_tracks_what_the_client_has_and_rewrites_a_continuation():
     client = ClientStream(ProxyRequest.parse(CHAT_PATH, raw, "rid"))
     head = {"id": "chatcmpl-rid", "created": 5, "object": "chat.completion.chunk"}
     role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-    first = client.rewrite({**head, "prompt_token_ids": [1, 2], "choices": [role]})
+    first = feed(client, {**head, "prompt_token_ids": [1, 2], "choices": [role]})
     assert "prompt_token_ids" not in first and first["choices"] == [role]  # not asked for
     text = {"index": 1, "delta": {"content": "héllo"}, "token_ids": [7, 8]}
-    assert client.rewrite({**head, "choices": [text]})["choices"][0] == {
+    assert feed(client, {**head, "choices": [text]})["choices"][0] == {
         "index": 1, "delta": {"content": "héllo"}}  # fmt: skip
     assert client.choices[1].token_ids == [7, 8] and client.choices[1].num_chars == 5
     client.num_migrations = 1  # choice 0 continues elsewhere: its role again, a new created
     again = {"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": []}
-    assert client.rewrite({**head, "created": 9, "choices": [again]}) is None
+    assert feed(client, {**head, "created": 9, "choices": [again]}) is None
     done = {"index": 0, "delta": {"content": "x"}, "token_ids": [3], "finish_reason": "length"}
-    out = client.rewrite({**head, "created": 9, "choices": [done]})
+    out = feed(client, {**head, "created": 9, "choices": [done]})
     assert out["created"] == 5 and out["id"] == "chatcmpl-rid"
     assert client.unfinished == [1] and client.choices[0].token_ids == [3]
     usage = {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
-    assert client.rewrite({**head, "created": 9, "choices": [], "usage": usage}) is None
+    assert feed(client, {**head, "created": 9, "choices": [], "usage": usage}) is None
     written = json.loads(client.usage_event()[len(b"data: ") :])
     assert written["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
     assert written["created"] == 5 and written["choices"] == []
@@ -306,10 +315,23 @@ def test_client_stream_without_token_ids_cannot_move():
     from proxy.migration import ClientStream
 
     client = ClientStream(ProxyRequest.parse(COMPLETIONS_PATH, b'{"prompt": "a"}', "r"))
-    client.rewrite({"id": "c", "created": 1, "choices": [{"index": 0, "text": "b"}]})
+    feed(client, {"id": "c", "created": 1, "choices": [{"index": 0, "text": "b"}]})
     assert not client.is_tracked
     batch = ClientStream(ProxyRequest.parse(COMPLETIONS_PATH, b'{"prompt": ["a", "b"]}', "r"))
     assert not batch.is_tracked
+
+
+def test_p_first_token_without_ids_for_the_client_still_moves():
+    """P's first token as the proxy streams it: its id only in `token_id` (the client did not
+    ask for ids); the stream stays movable, and the token counts."""
+    from proxy.migration import ClientStream
+
+    req = ProxyRequest.parse(COMPLETIONS_PATH, b'{"prompt": "a", "stream": true}', "r")
+    client = ClientStream(req)
+    answer = {"created": 3, "choices": [{"text": "Hel"}]}
+    client.first_token(first_token_events(False, "r", answer, req.body), 42)
+    assert client.is_tracked and client.choices[0].token_ids == [42]
+    assert client.choices[0].num_chars == 3 and client.created == 3
 
 
 def test_client_stream_passes_d_bytes_on_with_only_the_ids_cut():

@@ -102,20 +102,14 @@ async def resolve_resume(
     check_internal_token(state, request)
     llm = state.require_ready().engine
     ids = raw.output_token_ids
-    if len(prepared) != 1 or prepared[0].params.n != 1:
-        raise InvalidRequestError("resume needs a single prompt and n = 1", param="resume")
+    if len(prepared) != 1:
+        raise InvalidRequestError("resume needs a single prompt", param="resume")
     prompt = prepared[0]
-    check_token_ids(ids, llm.arch.vocab_size, "resume")
-    if len(ids) >= prompt.params.max_tokens:
-        raise InvalidRequestError(
-            f"resume has {len(ids)} output tokens: max_tokens ({prompt.params.max_tokens}) "
-            "leaves none to generate",
-            param="resume",
-        )
-    if len(prompt.token_ids) + len(ids) >= llm.max_model_len:
-        raise InvalidRequestError(
-            f"the prompt and {len(ids)} resumed tokens fill the model's context", param="resume"
-        )
+    resume = Resume(raw.choice_index, tuple(ids), raw.num_sent_chars)
+    try:
+        llm.check_resume(prompt.token_ids, prompt.params, resume)
+    except ValueError as e:
+        raise InvalidRequestError(str(e), param="resume") from e
     skip = prompt.params.skip_special_tokens
     text = await state.run_blocking(decoded_text, llm.tokenizer, prompt.token_ids, ids, skip)
     if raw.num_sent_chars > len(text):
@@ -124,7 +118,7 @@ async def resolve_resume(
             "its output tokens decode to",
             param="resume",
         )
-    return Resume(raw.choice_index, tuple(ids), raw.num_sent_chars)
+    return resume
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:

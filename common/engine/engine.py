@@ -172,7 +172,7 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         params.check_token_ids(self.arch.vocab_size)
         if resume is not None:
-            self._check_resume(token_ids, params, resume)
+            self.check_resume(token_ids, params, resume)
         parent = _Parent(text, token_ids)
         for i in [resume.choice_index] if resume else range(params.n):
             child_id = f"{request_id}#{i}" if params.n > 1 else request_id
@@ -234,7 +234,9 @@ class LLMEngine:
         self._release_siblings()
         return self._make_outputs(self.remote.take_ready() + changed)
 
-    def _check_resume(self, prompt_ids: list[int], params: SamplingParams, resume: Resume) -> None:
+    def check_resume(self, prompt_ids: list[int], params: SamplingParams, resume: Resume) -> None:
+        """ValueError if `resume` cannot continue this prompt (reads only fixed fields: the
+        server calls it on its event loop to answer a 400 before a stream starts)."""
         num = resume.num_tokens
         if params.n != 1:
             raise ValueError(f"a resumed request runs one choice: n must be 1, got {params.n}")

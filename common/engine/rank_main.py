@@ -38,6 +38,7 @@ from common.processes import die_with_parent
 
 logger = logging.getLogger(__name__)
 
+
 def serve(spec: RankSpec) -> None:
     device = torch.device(spec.device)
     if device.type == "cuda":
