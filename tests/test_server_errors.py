@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import threading
 import time
@@ -171,6 +172,12 @@ def _reachable(url: str) -> bool:
         return False
 
 
+def _running(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    found = re.search(r"^pdserve_num_requests_running(?:\{[^}]*\})? (\S+)$", text, re.M)
+    return float(found.group(1)) if found else -1.0
+
+
 def test_sigterm_drains_and_exits_zero(start_server, tiny_model):
     server = start_server(
         "decode", "--model", str(tiny_model("llama")), "--num-blocks", "64", "--drain-timeout", "20"
@@ -205,6 +212,9 @@ def test_sigterm_with_drain_migrate_ends_generations_at_once(start_server, tiny_
     with httpx.stream("POST", url, json=body, timeout=60) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: {")  # tokens flow
+        # both generations are running before the signal (else the late one is refused as a
+        # request to a draining worker, which is another path)
+        assert wait_until(lambda: _running(server.url) == 2, timeout=30)
         server.proc.send_signal(signal.SIGTERM)
         started = time.monotonic()
         rest = [line for line in lines if line]
