@@ -305,7 +305,9 @@ def test_calls_read_back_from_forced_outputs():
         ("get_weather", '{"city": "Zürich"}'),
         ("get_time", "{}"),
     ]
-    assert tool_calls_from_required('[{"name": "get_weather", "parameters": {"ci') == []
+    assert tool_calls_from_required('[{"name": "get_weather", "parameters": {"ci') == []  # cut
+    assert tool_calls_from_required(f'[{weather}, {{"parameters": {{}}}}]') == []  # no name
+    assert tool_calls_from_required(weather) == []  # not an array
     call = tool_call_from_named("get_weather", '{"city":"Zürich"}')
     assert isinstance(call, ToolCall) and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Zürich"}

@@ -295,12 +295,16 @@ def _llama3_calls(text: str) -> list[ToolCall] | None:
         text = rest[1:].lstrip()  # NOTE: raw_decode does not skip leading whitespace
 
 
+def _llama3_extract(text: str) -> ExtractedToolCalls:
+    calls = _llama3_calls(text)
+    if calls is None:
+        return ExtractedToolCalls(_content_or_none(text), [])
+    return ExtractedToolCalls(None, calls)
+
+
 class Llama3JsonToolParser(ToolParser):
     def extract(self, text: str) -> ExtractedToolCalls:
-        calls = _llama3_calls(text)
-        if calls is None:
-            return ExtractedToolCalls(_content_or_none(text), [])
-        return ExtractedToolCalls(None, calls)
+        return _llama3_extract(text)
 
     def stream(self) -> ToolCallStream:
         return _Llama3JsonStream()
@@ -330,7 +334,7 @@ class _Llama3JsonStream(ToolCallStream):
     def finish(self) -> ToolStreamDelta:
         if self._mode == "content":
             return ToolStreamDelta()
-        extracted = Llama3JsonToolParser().extract(self._text)
+        extracted = _llama3_extract(self._text)
         deltas = [call.to_delta(index) for index, call in enumerate(extracted.tool_calls)]
         return ToolStreamDelta(content=extracted.content or "", tool_calls=deltas)
 
