@@ -104,7 +104,8 @@ class ClientStream:
         self.usage_sent = False
         self.id: str | None = None
         self.created: int | None = None
-        self.is_tracked = not req.is_batch  # every choice's token ids are known
+        # every choice's token ids are known, and its text is what the client has
+        self.is_tracked = not req.is_batch and not req.reads_tool_calls
         self.prompt_token_ids: list[int] | None = None
         self.usage: dict | None = None  # the last usage D reported
         self.num_migrations = 0

@@ -64,7 +64,16 @@ class ProxyRequest:
             and (b.get("n") in (None, 1))
             and not self.wants_logprobs
             and not b.get("echo")
+            and not self.reads_tool_calls
         )
+
+    @property
+    def reads_tool_calls(self) -> bool:
+        """A chat whose tools the model may call: the worker reads tool calls out of the text,
+        holding back what may be one, so the text is not the client's to have as it comes
+        (P's first token is not streamed early, and a stream does not move)."""
+        b = self.body
+        return self.is_chat and bool(b.get("tools")) and b.get("tool_choice") != "none"
 
     @property
     def wants_logprobs(self) -> bool:

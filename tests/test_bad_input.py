@@ -65,7 +65,9 @@ INVALID = {  # name: (path, body, param)
     "stop_token_ids out of vocab":
         (COMPLETIONS, dict(prompt="hi", stop_token_ids=[VOCAB]), "stop_token_ids"),
     "a field not implemented":
-        (COMPLETIONS, dict(prompt="hi", guided_json={"type": "object"}), "guided_json"),
+        (COMPLETIONS, dict(prompt="hi", logit_bias={"5": 1.0}), "logit_bias"),
+    "a schema that cannot compile":
+        (COMPLETIONS, dict(prompt="hi", guided_json={"type": "nope"}), "guided_json"),
     "an unknown message field": (CHAT, dict(messages=[{**HI[0], "x": 1}]), "messages.0.x"),
     "max_completion_tokens NaN":
         (CHAT, dict(messages=HI, max_completion_tokens=math.nan), "max_completion_tokens"),

@@ -3,6 +3,8 @@ SamplingParams, chat prompts. Responses and logprobs: test_protocol_responses.py
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
@@ -14,6 +16,7 @@ from common.api.protocol import (
     parse_request,
     validation_error_to_api_error,
 )
+from common.engine.sampling_params import StructuredOutputs
 from common.tokenizer import Tokenizer
 
 USER = [{"role": "user", "content": "hi"}]
@@ -53,8 +56,8 @@ def test_prompt_shapes_are_accepted():
 def test_unknown_top_level_fields_are_ignored_as_vllm_does(make):
     """vllm-router adds `no_stop_trim`; clients add their own. Not-implemented fields at their
     inert value change nothing, so they pass too; inside the body a typo is still a 400."""
-    req = make(no_stop_trim=True, frobnicate={"x": 1}, use_beam_search=False, guided_json=None)
-    assert req.ignored_fields == ["frobnicate", "guided_json", "no_stop_trim", "use_beam_search"]
+    req = make(no_stop_trim=True, frobnicate={"x": 1}, use_beam_search=False, bad_words=None)
+    assert req.ignored_fields == ["bad_words", "frobnicate", "no_stop_trim", "use_beam_search"]
     assert make().ignored_fields == []
     assert make(max_tokens=3, frobnicate=1).to_sampling_params(100) == make(
         max_tokens=3
@@ -81,7 +84,11 @@ def test_missing_prompt_names_prompt():
         ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),
         ({"stream": True, "stream_options": {"bogus": 1}}, "stream_options.bogus", "bogus"),
         ({"temperature": "hot"}, "temperature", "number"),
-        ({"guided_json": {"type": "object"}}, "guided_json", "guided_json is not supported"),
+        ({"guided_json": 3}, "guided_json", ""),
+        ({"response_format": {"type": "xml"}}, "response_format.type", ""),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structural_tag", "not supported"),
+        ({"structured_outputs": {"regex": "a", "bogus": 1}}, "structured_outputs.bogus", ""),
         ({"prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
         ({"use_beam_search": True}, "use_beam_search", "not supported"),
     ],
@@ -129,9 +136,6 @@ def test_completion_accepts_the_harmless_forms():
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content", ""),
         ({"top_logprobs": 3}, "top_logprobs", "logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "20"),
-        ({"tool_choice": "required"}, "tool_choice", "not supported"),
-        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", ""),
-        ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),
         ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt"),
         (
@@ -143,7 +147,7 @@ def test_completion_accepts_the_harmless_forms():
         ({"tools": [{"type": "function", "function": {}}]}, "tools.0.function.name", "required"),
         ({"echo": True}, "echo", "echo is not supported"),
         ({"logit_bias": {"1": 5}}, "logit_bias", "not supported"),
-        ({"guided_regex": "a+"}, "guided_regex", "not supported"),
+        ({"guided_regex": 5}, "guided_regex", ""),
     ],
 )
 def test_chat_400s(fields, param, words):
@@ -300,3 +304,69 @@ def test_render_prompt_options(tokenizer: Tokenizer):
 def test_template_failure_is_a_400(tokenizer: Tokenizer):
     request = chat(messages=[{"role": "assistant", "content": None}])
     assert param_of(lambda: request.render_prompt(tokenizer)) == "messages"
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "f"),
+        ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice", "not supported"),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "tool_choice",
+            "'g'",
+        ),
+        (
+            {
+                "tools": [TOOL],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "tool_choice",
+            "cannot be combined with response_format",
+        ),
+        (
+            {"response_format": {"type": "json_object"}, "guided_regex": "a"},
+            "guided_regex",
+            "set one of",
+        ),
+        ({"guided_choice": []}, "guided_choice", "non-empty"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "one of"),
+    ],
+)
+def test_structured_output_and_tool_choice_400s(fields, param, words):
+    with pytest.raises(InvalidRequestError) as info:
+        chat(**fields).to_sampling_params(100)
+    assert info.value.param == param
+    assert words in info.value.message
+
+
+def test_every_structured_field_sets_the_same_constraint():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    text = json.dumps(schema)
+    forms = [
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": schema},
+            }
+        },
+        {"structured_outputs": {"json": schema}},
+        {"structured_outputs": {"json": text}},
+        {"guided_json": schema},
+        {"guided_json": text},
+    ]
+    specs = {chat(**form).to_sampling_params(100).structured for form in forms}
+    assert specs == {StructuredOutputs(json=text)}
+    assert chat(response_format={"type": "text"}).to_sampling_params(100).structured is None
+    assert completion(guided_choice=["a", "b"]).to_sampling_params(99).structured.choice == (
+        "a",
+        "b",
+    )
+    required = chat(tools=[TOOL], tool_choice="required", parallel_tool_calls=False)
+    forced = json.loads(required.to_sampling_params(100).structured.json)
+    assert forced["type"] == "array" and forced["maxItems"] == 1

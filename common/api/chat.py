@@ -24,6 +24,7 @@ from common.api.serving import (
     Job,
     PreparedPrompt,
     admit,
+    check_structured,
     final_kv_params,
     new_request_id,
     num_tokens_sent_before,
@@ -35,6 +36,7 @@ from common.api.serving import (
     wants_usage,
 )
 from common.api.state import ServerState
+from common.api.tools import ToolCallReader, get_parser, parser_for_template
 from common.engine.engine import LLMEngine
 from common.tokenizer import Tokenizer
 
@@ -69,6 +71,7 @@ async def prepare_chat(
     ids = await state.run_blocking(_prompt_ids, llm.tokenizer, req)
     params = req.to_sampling_params(llm.max_model_len - len(ids))
     validate_params(params, llm.arch.vocab_size)
+    await check_structured(state, llm, params, req.structured_param)
     return PreparedPrompt(ids, params)
 
 
@@ -77,17 +80,29 @@ def _prompt_ids(tokenizer: Tokenizer, req: ChatCompletionRequest) -> list[int]:
     return tokenizer.encode(req.render_prompt(tokenizer), add_special_tokens=False)
 
 
+def _tool_reader(state: ServerState, req: ChatCompletionRequest) -> ToolCallReader:
+    """How one choice's output is read for the request's tool choice."""
+    template = state.engine.engine.tokenizer.chat_template
+    name = state.cfg.tool_call_parser or parser_for_template(template)
+    return ToolCallReader(req.tool_choice_mode, get_parser(name))
+
+
 def _response(
     state: ServerState, req: ChatCompletionRequest, response_id: str, job: Job, items: list
 ) -> dict:
     tokenizer = state.engine.engine.tokenizer
     finals = {c.index: c for _, out in items for c in out.outputs}
+    answers = {
+        i: _tool_reader(state, req).whole(c.text, c.finish_reason) for i, c in finals.items()
+    }
     choices = [
         ChatChoice(
             index=i,
-            message=ChatResponseMessage(content=c.text),
+            message=ChatResponseMessage(
+                content=answers[i].content, tool_calls=answers[i].tool_calls or None
+            ),
             logprobs=chat_logprobs(tokenizer, c.logprobs) if req.logprobs else None,
-            finish_reason=c.finish_reason,
+            finish_reason=answers[i].finish_reason,
             stop_reason=c.stop_reason,
             token_ids=c.token_ids if req.return_token_ids else None,
         )
@@ -113,6 +128,7 @@ async def _stream(
 ) -> AsyncIterator[str]:
     tokenizer = state.engine.engine.tokenizer
     started: set[int] = set()
+    readers: dict[int, ToolCallReader] = {}  # per choice: content and tool calls
     num_tokens = num_tokens_sent_before(job)
     created = int(time.time())  # one for every chunk of the stream, as OpenAI and vLLM
 
@@ -136,12 +152,23 @@ async def _stream(
             if not (c.delta_text or c.delta_token_ids or c.finish_reason):
                 continue
             num_tokens += len(c.delta_token_ids)
+            reader = readers.setdefault(c.index, _tool_reader(state, req))
+            delta, finish_reason = reader.feed(c.delta_text), None
+            if c.finish_reason is not None:
+                last, finish_reason = reader.finish(c.finish_reason)
+                delta.content += last.content
+                delta.tool_calls += last.tool_calls
+            shown = delta.content or delta.tool_calls or finish_reason
+            if reader.is_holding and not (shown or req.return_token_ids or req.logprobs):
+                continue  # the text is held back: it may be part of a tool call
             yield chunk(
                 ChatStreamChoice(
                     index=c.index,
-                    delta=DeltaMessage(content=c.delta_text or None),
+                    delta=DeltaMessage(
+                        content=delta.content or None, tool_calls=delta.tool_calls or None
+                    ),
                     logprobs=chat_logprobs(tokenizer, c.delta_logprobs) if req.logprobs else None,
-                    finish_reason=c.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=c.stop_reason,
                     token_ids=c.delta_token_ids if req.return_token_ids else None,
                 )

@@ -268,6 +268,13 @@ def _add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     )
     add("--internal-token-file", metavar="PATH", help="read --internal-token from this file")
     add(
+        "--tool-call-parser",
+        default=None,
+        help="how tool calls are read from the model's output with tool_choice 'auto': hermes "
+        "(<tool_call> JSON blocks: Qwen, SmolLM, Hermes) or llama3_json (default: llama3_json "
+        "for a Llama 3 chat template, else hermes)",
+    )
+    add(
         "--log-level",
         default=default(ServerConfig, "log_level"),
         choices=["debug", "info", "warning", "error"],
@@ -473,6 +480,7 @@ def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, 
             max_body_bytes=a.max_body_bytes,
             drain_timeout=a.drain_timeout,
             drain_migrate=a.drain_migrate,
+            tool_call_parser=a.tool_call_parser,
             internal_token=_internal_token(a),
             log_level=a.log_level,
             cpu=CpuBudget(cores=a.cpu_cores, num_threads=a.cpu_threads),

@@ -26,6 +26,7 @@ from common.api.serving import (
     Job,
     PreparedPrompt,
     admit,
+    check_structured,
     check_token_ids,
     final_kv_params,
     new_request_id,
@@ -81,6 +82,7 @@ async def prepare_prompts(
         ids = await state.run_blocking(_prompt_ids, llm, prompt)
         params = req.to_sampling_params(llm.max_model_len - len(ids))
         validate_params(params, llm.arch.vocab_size)
+        await check_structured(state, llm, params, req.structured_param)
         prepared.append(PreparedPrompt(ids, params))
     return prepared
 

@@ -17,6 +17,7 @@ Responses live in `common.api.responses` (re-exported here; dump each with
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import (
@@ -56,8 +57,18 @@ from common.api.responses import (  # noqa: F401 (re-exported)
     UsageInfo,
     random_id,
 )
+from common.api.tools import (  # noqa: F401 (ChatTool, FunctionDefinition: re-exported)
+    ChatTool,
+    FunctionDefinition,
+    ToolChoice,
+    check_tool_choice,
+    messages_for_template,
+    named_tool_schema,
+    required_tool_schema,
+    template_supports_tools,
+)
 from common.api.validation import validation_error_to_api_error  # noqa: F401 (re-exported)
-from common.engine.sampling_params import SamplingParams
+from common.engine.sampling_params import SamplingParams, StructuredOutputs
 
 if TYPE_CHECKING:  # the proxy imports these models without torch or tokenizers
     from common.tokenizer import Tokenizer
@@ -70,6 +81,15 @@ RESUMED_HEADER = "x-pdserve-resumed"
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
+# the request fields that constrain the output (structured outputs), at most one per request
+_STRUCTURED_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 
 
 def _invalid(message: str, param: str | None = None) -> PydanticCustomError:
@@ -91,14 +111,9 @@ NOT_IMPLEMENTED = frozenset(
         "echo",
         "function_call",
         "functions",
-        "guided_choice",
-        "guided_grammar",
-        "guided_json",
-        "guided_regex",
         "logit_bias",
         "logits_processors",
         "prompt_logprobs",
-        "structured_outputs",
         "suffix",
         "truncate_prompt_tokens",
         "use_beam_search",
@@ -120,6 +135,71 @@ class ResumeParams(_Request):
     choice_index: int = Field(ge=0)
     output_token_ids: list[int]
     num_sent_chars: int = Field(ge=0)
+
+
+class StructuredOutputsParams(_Request):
+    """vLLM's `structured_outputs`: one of json (a schema), regex, choice, grammar, json_object."""
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    whitespace_pattern: str | None = None
+    # vLLM's backend options, accepted and ignored: the grammar is the same either way
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    @model_validator(mode="after")
+    def _check_supported(self) -> StructuredOutputsParams:
+        for name in ("structural_tag", "whitespace_pattern"):
+            if getattr(self, name) is not None:
+                raise _invalid(f"structured_outputs.{name} is not supported", name)
+        return self
+
+    def spec(self) -> StructuredOutputs:
+        return StructuredOutputs(
+            json=_schema_text(self.json_),
+            json_object=bool(self.json_object),
+            regex=self.regex,
+            choice=None if self.choice is None else tuple(self.choice),
+            grammar=self.grammar,
+        )
+
+
+class JsonSchemaFormat(_Request):
+    name: str = "schema"
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the output follows the schema either way
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and (
+            self.json_schema is None or self.json_schema.schema_ is None
+        ):
+            raise _invalid(
+                "response_format json_schema needs json_schema.schema", "response_format"
+            )
+        return self
+
+    def spec(self) -> StructuredOutputs | None:
+        if self.type == "json_object":
+            return StructuredOutputs(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutputs(json=_schema_text(self.json_schema.schema_))
+        return None
+
+
+def _schema_text(schema: dict[str, Any] | bool | str | None) -> str | None:
+    return schema if schema is None or isinstance(schema, str) else json.dumps(schema)
 
 
 class _GenerationRequest(_Request):
@@ -149,6 +229,14 @@ class _GenerationRequest(_Request):
     return_token_ids: bool = False  # vLLM: prompt_token_ids and token_ids in the response
     kv_transfer_params: dict[str, Any] | None = None  # opaque, for the KV connector
     resume: ResumeParams | None = None  # internal: a migrated stream (`ResumeParams`)
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields; at most one of them (`structured`)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> _GenerationRequest:
@@ -160,6 +248,33 @@ class _GenerationRequest(_Request):
         return self
 
     @property
+    def structured_param(self) -> str | None:
+        """The one request field that constrains the output; None: none does (400: several)."""
+        names = [name for name in _STRUCTURED_FIELDS if getattr(self, name) is not None]
+        if "response_format" in names and self.response_format.type == "text":
+            names.remove("response_format")
+        if len(names) > 1:
+            raise InvalidRequestError(f"set one of {', '.join(names)}, not both", names[1])
+        return names[0] if names else None
+
+    def structured_spec(self) -> StructuredOutputs | None:
+        """The constraint on the output that the request sets (400 if malformed)."""
+        name = self.structured_param
+        try:
+            if name is None:
+                return None
+            if name in ("response_format", "structured_outputs"):
+                return getattr(self, name).spec()
+            value = getattr(self, name)
+            if name == "guided_json":
+                return StructuredOutputs(json=_schema_text(value))
+            if name == "guided_choice":
+                return StructuredOutputs(choice=tuple(value))
+            return StructuredOutputs(**{name.removeprefix("guided_"): value})
+        except ValueError as e:  # StructuredOutputs' own checks
+            raise InvalidRequestError(f"{name}: {e}", param=name) from e
+
+    @property
     def ignored_fields(self) -> list[str]:
         """The unknown top-level fields of the request, ignored."""
         return sorted(self.model_extra or {})
@@ -168,6 +283,7 @@ class _GenerationRequest(_Request):
         self, max_tokens: int, logprobs: int | None, names: dict[str, str]
     ) -> SamplingParams:
         """SamplingParams with OpenAI defaults; `names` maps engine fields to request fields."""
+        structured = self.structured_spec()
         try:
             return SamplingParams(
                 n=self.n,
@@ -187,6 +303,7 @@ class _GenerationRequest(_Request):
                 logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
+                structured=structured,
             )
         except ValueError as e:
             field, _, rest = str(e).partition(" ")
@@ -278,24 +395,6 @@ class ChatMessage(_Request):
         return self.content or ""
 
 
-class FunctionDefinition(_Request):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ChatTool(_Request):
-    type: Literal["function"] = "function"
-    function: FunctionDefinition
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    type: str
-
-
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     max_tokens: int | None = None
@@ -304,8 +403,7 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[ChatTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # ignored: no tool-call parsing
-    response_format: ResponseFormat | None = None
+    parallel_tool_calls: bool | None = None  # False: at most one call (tool_choice required)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -321,11 +419,6 @@ class ChatCompletionRequest(_GenerationRequest):
     def _check_options(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise _invalid("top_logprobs requires logprobs to be true", "top_logprobs")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise _invalid(f"tool_choice {self.tool_choice!r} is not supported", "tool_choice")
-        if self.response_format is not None and self.response_format.type != "text":
-            kind = self.response_format.type
-            raise _invalid(f"response_format {kind!r} is not supported", "response_format")
         if self.continue_final_message and self.add_generation_prompt:
             raise _invalid(
                 "continue_final_message and add_generation_prompt cannot both be true",
@@ -349,12 +442,46 @@ class ChatCompletionRequest(_GenerationRequest):
         names = {"max_tokens": name, "logprobs": "top_logprobs"}
         return self._sampling_params(max_tokens, logprobs, names)
 
+    @property
+    def tool_choice_mode(self) -> ToolChoice:
+        """`tool_choice` checked against `tools` (400 naming tool_choice if it does not fit)."""
+        return check_tool_choice(self.tools, self.tool_choice)
+
+    @property
+    def structured_param(self) -> str | None:
+        if self.tool_choice_mode.mode in ("required", "named"):
+            return "tool_choice"
+        return super().structured_param
+
+    def structured_spec(self) -> StructuredOutputs | None:
+        """A forced tool choice is a JSON schema over the tools' parameters (vLLM's way), so
+        the arguments always parse; it cannot be combined with another structured output."""
+        choice = self.tool_choice_mode
+        if choice.mode not in ("required", "named"):
+            return super().structured_spec()
+        other = super().structured_param
+        if other is not None:
+            raise InvalidRequestError(
+                f"tool_choice {choice.mode!r} cannot be combined with {other}", "tool_choice"
+            )
+        if choice.mode == "required":
+            schema = required_tool_schema(self.tools, self.parallel_tool_calls)
+        else:
+            schema = named_tool_schema(self.tools, choice.name)
+        return StructuredOutputs(json=json.dumps(schema))
+
     def render_prompt(self, tokenizer: Tokenizer) -> str:
-        """The prompt text: the chat template applied to the messages, tools and options."""
+        """The prompt text: the chat template applied to the messages, tools and options. A
+        template that knows no tools gets them, and past calls and results, as text."""
         tools = [tool.model_dump(exclude_none=True) for tool in self.tools or []] or None
+        messages: list = self.messages
+        if tools or any(m.tool_calls or m.role == "tool" for m in self.messages):
+            supports = template_supports_tools(tokenizer.chat_template or "")
+            messages = messages_for_template(self.messages, self.tools, supports)
+            tools = tools if supports else None
         try:
             prompt = tokenizer.apply_chat_template(
-                self.messages,
+                messages,
                 add_generation_prompt=self.add_generation_prompt,
                 tools=tools,
                 **(self.chat_template_kwargs or {}),

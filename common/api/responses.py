@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_serializer
 
 from common.api.logprobs import ChatLogprobs, CompletionLogprobs
+from common.api.tools import DeltaToolCall, ToolCall
 
 
 def random_id(prefix: str) -> str:
@@ -100,6 +101,7 @@ class CompletionStreamResponse(_StreamPart):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -125,6 +127,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(_StreamPart):

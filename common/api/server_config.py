@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.api.tools import PARSERS
 from common.cpu import CpuBudget
 from common.credentials import check_secret
 
@@ -23,6 +24,7 @@ class ServerConfig:
     drain_timeout: float = 30.0
     drain_migrate: bool = False  # SIGTERM ends in-flight generations at once, for the proxy
     internal_token: str | None = None  # required by the internal routes when set
+    tool_call_parser: str | None = None  # common/api/tools.py's PARSERS; None: from the template
     log_level: str = "info"
     cpu: CpuBudget = field(default_factory=CpuBudget)  # applied at startup (common/cpu.py)
 
@@ -38,6 +40,9 @@ class ServerConfig:
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         check_secret("internal_token", self.internal_token)
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            names = ", ".join(sorted(PARSERS))
+            raise ValueError(f"--tool-call-parser must be one of {names}")
 
     @property
     def internal_headers(self) -> dict[str, str]:

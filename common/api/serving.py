@@ -28,6 +28,7 @@ from common.api.internal import check_internal_token
 from common.api.protocol import RESUMED_HEADER, ResumeParams
 from common.api.state import ServerState
 from common.engine.async_engine import AsyncEngine, EngineDeadError
+from common.engine.engine import LLMEngine
 from common.engine.output import RequestOutput, decoded_text
 from common.engine.request import Resume
 from common.engine.sampling_params import SamplingParams
@@ -198,7 +199,8 @@ async def _one(
     async with aclosing(outputs) as gen:
         async for out in gen:
             if out.error:
-                raise ServerError(out.error)
+                fault = InvalidRequestError if out.error_is_request_fault else ServerError
+                raise fault(out.error)
             now = time.perf_counter()
             new = sum(len(c.delta_token_ids) for c in out.outputs)
             if new:
@@ -269,6 +271,19 @@ async def _ended(events: AsyncGenerator[str, None], outputs: AsyncIterator) -> A
 def wants_usage(req) -> bool:
     """A streamed request asked for the usage chunk at the end."""
     return bool(req.stream_options and req.stream_options.include_usage)
+
+
+async def check_structured(
+    state: ServerState, llm: LLMEngine, params: SamplingParams, param: str | None
+) -> None:
+    """A 400 naming `param`, the request's field, for a structured output that cannot compile,
+    before any stream starts (the compiled grammar is cached for the engine)."""
+    if params.structured is None:
+        return
+    try:
+        await state.run_blocking(llm.grammars.check, params.structured)
+    except ValueError as e:
+        raise InvalidRequestError(str(e), param=param) from e
 
 
 def validate_params(params: SamplingParams, vocab_size: int, max_n: int = 128) -> None:

@@ -34,14 +34,43 @@ import secrets
 import string
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from common.api.errors import InvalidRequestError
 
-if TYPE_CHECKING:  # protocol.py may import this module to check tool_choice
-    from common.api.protocol import ChatMessage, ChatTool
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    """One of a chat request's `tools` (protocol.py's request models use it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class HistoryMessage(Protocol):
+    """What the rendering reads of a history message (protocol.py's `ChatMessage`)."""
+
+    role: str
+    name: str | None
+    tool_calls: list[dict[str, Any]] | None
+
+    @property
+    def text(self) -> str: ...
+
+    def model_dump(self, *, exclude_none: bool = False) -> dict[str, Any]: ...
+
 
 _ID_ALPHABET = string.ascii_letters + string.digits
 
@@ -345,6 +374,12 @@ PARSERS: dict[str, type[ToolParser]] = {
 }
 
 
+def parser_for_template(template: str | None) -> str:
+    """The parser a chat template implies: llama3_json for Llama 3's (its header tokens),
+    hermes otherwise."""
+    return "llama3_json" if template and "<|start_header_id|>" in template else "hermes"
+
+
 def get_parser(name: str) -> ToolParser:
     """The parser vLLM names `name`; ValueError (a startup mistake) for an unknown one."""
     if name not in PARSERS:
@@ -473,6 +508,82 @@ def tool_call_from_named(name: str, text: str) -> ToolCall:
 
 
 # ---------------------------------------------------------------------------------------------
+# Reading one choice's output by the request's tool choice
+
+
+@dataclass
+class ChoiceCalls:
+    """What a finished choice answers: content, tool calls, and the finish reason."""
+
+    content: str | None
+    tool_calls: list[ToolCall]
+    finish_reason: str | None
+
+
+class ToolCallReader:
+    """One choice's output read as the tool choice asks, whole (`whole`) or delta by delta
+    (`feed`, then `finish` with the engine's finish reason):
+        none      content as it is;
+        auto      the parser's calls, content around them;
+        required  the forced JSON array read back into calls;
+        named     the forced JSON object as the one call's arguments.
+    A forced output that does not read back (cut short by max_tokens) is content. Calls make the
+    finish reason "tool_calls", except a named choice's, which stays as it is (as OpenAI's)."""
+
+    def __init__(self, choice: ToolChoice, parser: ToolParser):
+        self.choice = choice
+        self._parser = parser
+        self._stream = parser.stream() if choice.mode == "auto" else None
+        self._held: list[str] = []  # a forced output, read at the end
+        self.num_calls = 0
+
+    @property
+    def is_holding(self) -> bool:
+        """Text may be held back (a tool call may be forming)."""
+        return self.choice.mode != "none"
+
+    def whole(self, text: str, finish_reason: str | None) -> ChoiceCalls:
+        mode = self.choice.mode
+        if mode == "none":
+            return ChoiceCalls(text, [], finish_reason)
+        if mode == "auto":
+            found = self._parser.extract(text)
+            calls, content = found.tool_calls, found.content
+        elif mode == "required":
+            calls, content = tool_calls_from_required(text), None
+        else:
+            calls, content = [tool_call_from_named(self.choice.name, text)], None
+        if mode in ("required", "named") and (not calls or finish_reason == "length"):
+            return ChoiceCalls(text, [], finish_reason)
+        reason = "tool_calls" if calls and mode != "named" else finish_reason
+        return ChoiceCalls(content, calls, reason)
+
+    def feed(self, delta_text: str) -> ToolStreamDelta:
+        if self.choice.mode == "none":
+            return ToolStreamDelta(content=delta_text)
+        if self._stream is not None:
+            return self._counted(self._stream.feed(delta_text))
+        self._held.append(delta_text)
+        return ToolStreamDelta()
+
+    def finish(self, finish_reason: str | None) -> tuple[ToolStreamDelta, str | None]:
+        """The last delta, and the finish reason the client sees."""
+        if self._stream is not None:
+            last = self._counted(self._stream.finish())
+            return last, "tool_calls" if self.num_calls else finish_reason
+        if self.choice.mode == "none":
+            return ToolStreamDelta(), finish_reason
+        whole = self.whole("".join(self._held), finish_reason)
+        deltas = [call.to_delta(i) for i, call in enumerate(whole.tool_calls)]
+        self.num_calls = len(deltas)
+        return ToolStreamDelta(content=whole.content or "", tool_calls=deltas), whole.finish_reason
+
+    def _counted(self, delta: ToolStreamDelta) -> ToolStreamDelta:
+        self.num_calls += len(delta.tool_calls)
+        return delta
+
+
+# ---------------------------------------------------------------------------------------------
 # Rendering a history with tools
 
 _JINJA_CODE = re.compile(r"\{[{%](.*?)[%}]\}", re.DOTALL)
@@ -485,7 +596,7 @@ def template_supports_tools(template: str) -> bool:
 
 
 def messages_for_template(
-    messages: list[ChatMessage], tools: list[ChatTool] | None, supports_tools: bool
+    messages: list[HistoryMessage], tools: list[ChatTool] | None, supports_tools: bool
 ) -> list[dict]:
     """The history as plain dicts for `Tokenizer.apply_chat_template`, every content a string.
 
@@ -506,7 +617,7 @@ def messages_for_template(
     return [{"role": "system", "content": system}, *plain]
 
 
-def _message_dict(message: ChatMessage) -> dict:
+def _message_dict(message: HistoryMessage) -> dict:
     plain = message.model_dump(exclude_none=True)
     plain["content"] = message.text
     if message.tool_calls:
@@ -524,7 +635,7 @@ def _with_parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
     return call
 
 
-def _message_as_text(message: ChatMessage) -> dict:
+def _message_as_text(message: HistoryMessage) -> dict:
     content = message.text
     if message.role == "tool":
         content = f"<tool_response>\n{content}\n</tool_response>"

@@ -32,6 +32,7 @@ from common.engine.request import Request, RequestStatus, Resume
 from common.engine.sampler import SampledToken, Sampler, skip_draw
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
+from common.engine.structured import GrammarCompiler, GrammarMasks
 from common.kv_cache.block_pool import BlockPool
 from common.kv_cache.manager import KVCacheManager
 from common.kv_cache.tensors import allocate_kv_caches, num_blocks_for_memory
@@ -108,6 +109,7 @@ class LLMEngine:
         self.pool = BlockPool(self.num_blocks - bool(graph_sizes), cc.enable_prefix_caching)
         eos = tuple(sorted(set(self.arch.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.eos_token_ids = eos
+        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, eos)
         self.connector = make_connector(config.transfer, cc.block_size, self.pool)
         kv = KVCacheManager(self.pool, cc.block_size)
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len, eos, self.connector)
@@ -124,6 +126,7 @@ class LLMEngine:
             graph_sizes=graph_sizes,
             max_model_len=self.max_model_len,
             pad_block=self.num_blocks - 1,
+            masks=GrammarMasks(self.arch.vocab_size),
         )
         self.remote = RemotePrefills(
             self.connector, self.scheduler, config.transfer, cc.block_size, self.pool
@@ -171,6 +174,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         params.check_token_ids(self.arch.vocab_size)
+        if params.structured is not None:
+            self.grammars.check(params.structured)
         if resume is not None:
             self.check_resume(token_ids, params, resume)
         parent = _Parent(text, token_ids)
@@ -182,6 +187,7 @@ class LLMEngine:
                 _child_params(params, i),
                 prompt=text,
                 kv_transfer_params=kv_transfer_params if not parent.children else None,
+                grammar=params.structured and self.grammars.grammar(params.structured),
             )
             self.outputs.add_request(child)
             if resume is not None:
@@ -257,6 +263,9 @@ class LLMEngine:
         penalties see them), one seeded draw skipped for each, and the text the client has
         marked sent. ValueError (nothing registered) if `num_sent_chars` passes that text."""
         req.append_resumed(resume.output_token_ids)
+        if req.grammar is not None and req.grammar.error is not None:
+            self.outputs.remove(req.request_id)
+            raise ValueError(f"resume: {req.grammar.error}")
         for _ in range(resume.num_tokens):  # NOTE: exactly the draws the sampler made for them
             skip_draw(req)
         try:
@@ -303,7 +312,9 @@ class LLMEngine:
             children = self._parents[parent_id].children
             out.finished = all(c.is_finished for c in children)
             out.kv_transfer_params = children[0].kv_transfer_params_out
-            out.error = next((c.error for c in children if c.error), None)
+            failed = next((c for c in children if c.error), None)
+            out.error = failed and failed.error
+            out.error_is_request_fault = bool(failed and failed.error_is_request_fault)
             if out.finished:
                 self._forget(parent_id)
         return list(by_parent.values())

@@ -22,6 +22,7 @@ from common.engine.compiled import CompiledModel
 from common.engine.decode_graphs import DecodeGraphs
 from common.engine.request import Request
 from common.engine.sampler import SampledToken, Sampler
+from common.engine.structured import GrammarMasks
 from common.kv_transfer.base import KVConnector
 from common.model.llama import LlamaForCausalLM
 from common.parallel.plan import PlanChannel, StepPlan
@@ -53,6 +54,7 @@ class ModelRunner:
         graph_sizes: tuple[int, ...] = (),
         max_model_len: int = 0,
         pad_block: int = -1,
+        masks: GrammarMasks | None = None,
     ):
         """`graph_sizes`: decode batch sizes replayed as CUDA graphs (decode_graphs.py), whose
         padding rows write KV block `pad_block`, one the block pool never hands out."""
@@ -63,6 +65,7 @@ class ModelRunner:
         self.kv_caches = dict(zip(self.layers, kv_caches))
         self.block_size = block_size
         self.sampler = sampler
+        self.masks = masks  # structured outputs' token masks
         self.device = device
         self.connector = connector
         if connector is not None:
@@ -140,6 +143,7 @@ class ModelRunner:
 
     def _execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, SampledToken]:
         batch = self.prepare(scheduled)
+        masks = self.masks and self.masks.start(batch.sample_reqs)  # computed during the forward
         transfers = self.connector is not None and self.connector.has_connector_metadata()
         meta = batch.attn_metadata
         if not transfers and self.graphs is not None and self.graphs.fits(meta):
@@ -149,6 +153,8 @@ class ModelRunner:
         if not batch.sample_reqs:
             return {}
         logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if masks is not None:
+            self.masks.apply(masks, logits)
         sampled = self.sampler(logits, batch.sample_reqs)
         return {req.request_id: s for req, s in zip(batch.sample_reqs, sampled)}
 

@@ -38,6 +38,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None  # a prefill worker's answer: where the KV is held
     error: str | None = None  # why a request finished with finish_reason "error"
+    error_is_request_fault: bool = False  # the error is the request's (a 400), not the server's
 
 
 def decoded_text(

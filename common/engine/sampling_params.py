@@ -6,6 +6,43 @@ import math
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the output, as vLLM's `structured_outputs`: exactly one of a JSON schema
+    (`json`, as JSON text), any JSON object (`json_object`), a regular expression (`regex`), one
+    of a list of strings (`choice`), or a grammar (`grammar`: Lark, or GBNF / EBNF with `::=`).
+    The grammar is compiled and enforced by common/engine/structured.py."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError(
+                f"structured_outputs must set exactly one of json, json_object, regex, choice "
+                f"and grammar, got {kinds or 'none'}"
+            )
+        if self.choice is not None and not (
+            self.choice and all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured_outputs must have a choice of non-empty strings")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what a compiled grammar is cached by."""
+        if self.json_object:
+            return "json_object", ""
+        if self.choice is not None:
+            return "choice", "\x00".join(self.choice)
+        kind = next(k for k in ("json", "regex", "grammar") if getattr(self, k) is not None)
+        return kind, getattr(self, kind)
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -25,6 +62,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per output token; None: none
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured: StructuredOutputs | None = None  # the output follows this grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

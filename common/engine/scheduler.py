@@ -79,6 +79,10 @@ class Scheduler:
 
     def stop_if_done(self, req: Request, token_id: int) -> bool:
         """Finish `req` if `token_id`, its newest token, ends it; True if it did."""
+        if req.grammar is not None and req.grammar.error is not None:
+            req.error_is_request_fault = True
+            self.fail(req, req.grammar.error)
+            return True
         status, reason = self.check_stop(req, token_id)
         if status is not None:
             self.finish(req, status, reason)
@@ -186,6 +190,8 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED, None
             if token_id in params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED, token_id
+        if req.grammar is not None and req.grammar.is_terminated:
+            return RequestStatus.FINISHED_STOPPED, None  # the grammar admits nothing more
         if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None
