@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -160,7 +161,7 @@ class Grammar:
         self.error = f"the grammar allows no token after {self.num_accepted} output tokens"
 
 
-class HasGrammar:
+class HasGrammar(Protocol):
     """What GrammarMasks reads of a sampled sequence."""
 
     grammar: Grammar | None
@@ -208,7 +209,3 @@ class GrammarMasks:
         for i, grammar in enumerate(grammars):
             grammar.fill_mask(bits[i])
         return bits
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
