@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from common.engine.llm import LLM
+from common.engine.request import Resume
 from common.engine.sampling_params import SamplingParams, StructuredOutputs
 from common.kv_transfer.fake import Loopback
 from tests.test_pd_inprocess import connect, make_engine, prefill, reserve, run, settle
@@ -103,11 +104,8 @@ def test_random_model_output_validates_against_its_schema(llm, name):
 
 
 def test_json_object_choice_regex_and_grammars(llm):
-    outs = [
-        o.outputs[0]
-        for o in llm.generate(PROMPTS, constrained(json_object=True, seed=1, max_tokens=400))
-    ]
-    assert all(isinstance(json.loads(o.text), dict) for o in outs if o.finish_reason == "stop")
+    out = llm.generate(PROMPTS[0], constrained(json_object=True))[0].outputs[0]
+    assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict)
     choices = ("yes", "no way", 'say "so"\n')
     texts = {o.outputs[0].text for o in llm.generate(PROMPTS, constrained(choice=choices, seed=2))}
     assert texts <= set(choices) and texts
@@ -226,3 +224,18 @@ def test_first_token_the_grammar_refuses_ends_the_request_with_an_error(pd):
     assert outs[0].error is not None and "does not follow the grammar" in outs[0].error
     assert outs[0].error_is_request_fault
     settle(p, d)
+
+
+def test_a_resumed_request_continues_its_grammar(pd):
+    """A stream moved to this worker: the grammar is advanced over the outputs the client has,
+    and the answer goes on as if never interrupted; outputs off the grammar are refused."""
+    _, d = pd
+    prompt = list(range(7, 30))
+    whole, out = run(d, prompt, pd_params(120))
+    assert out["error"] is None
+    resumed, out = run(d, prompt, pd_params(120), resume=Resume(0, tuple(whole[:6]), 0))
+    assert out["error"] is None and resumed == whole
+    off = tuple(d.tokenizer.encode("nope", add_special_tokens=False))
+    with pytest.raises(ValueError, match="does not follow the grammar"):
+        d.add_request("off", prompt, pd_params(40), resume=Resume(0, off, 0))
+    assert not d.has_unfinished_requests()
