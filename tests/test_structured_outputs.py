@@ -97,8 +97,8 @@ def test_random_model_output_validates_against_its_schema(llm, name):
     params = [constrained(json=json.dumps(schema))] + [
         constrained(json=json.dumps(schema), seed=seed) for seed in range(3)
     ]
-    for prompt, p in zip(PROMPTS, params):
-        out = llm.generate(prompt, p)[0].outputs[0]
+    for answer in llm.generate(PROMPTS, params):  # one batch
+        out = answer.outputs[0]
         assert out.finish_reason == "stop", (out.text, out.finish_reason)
         jsonschema.validate(json.loads(out.text), schema)
 

@@ -110,6 +110,7 @@ class LLMEngine:
         eos = tuple(sorted(set(self.arch.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.eos_token_ids = eos
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, eos)
+        self.grammars.warm_up()  # the first request with a grammar does not wait for it
         self.connector = make_connector(config.transfer, cc.block_size, self.pool)
         kv = KVCacheManager(self.pool, cc.block_size)
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len, eos, self.connector)

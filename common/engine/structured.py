@@ -48,9 +48,13 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._compile = lru_cache(maxsize=_CACHE_SIZE)(self._compile_uncached)
 
+    def warm_up(self) -> None:
+        """Build the tokenizer's token trie now (0.3 s for a 49k vocabulary, 10 ms for 1k)."""
+        _ = self.ll_tokenizer
+
     def check(self, spec: StructuredOutputs) -> None:
-        """ValueError if `spec` cannot compile. Blocking: the first call builds the tokenizer's
-        token trie (about 0.3 s for a 49k vocabulary), later ones hit the cache."""
+        """ValueError if `spec` cannot compile; blocking (about a millisecond for a JSON schema
+        of a few fields), then cached by the spec's text."""
         self._compile(spec.key)
 
     def grammar(self, spec: StructuredOutputs) -> Grammar:
