@@ -7,13 +7,16 @@ grammar from it. HTTP, the OpenAI SDK and the proxy: test_structured_api.py.
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future
 
 import jsonschema
 import pytest
+import torch
 
 from common.engine.llm import LLM
 from common.engine.request import Resume
 from common.engine.sampling_params import SamplingParams, StructuredOutputs
+from common.engine.structured import GrammarMasks, PendingMasks
 from common.kv_transfer.fake import Loopback
 from tests.test_pd_inprocess import connect, make_engine, prefill, reserve, run, settle
 
@@ -239,3 +242,54 @@ def test_a_resumed_request_continues_its_grammar(pd):
     with pytest.raises(ValueError, match="does not follow the grammar"):
         d.add_request("off", prompt, pd_params(40), resume=Resume(0, off, 0))
     assert not d.has_unfinished_requests()
+
+
+def test_masks_block_exactly_the_tokens_the_grammar_refuses(llm):
+    """GrammarMasks on real grammars: the rows with one keep their allowed logits and get -inf
+    elsewhere (bit for bit against a plain `where`), a row without one is untouched, and a
+    grammar with nothing allowed is a dead end."""
+    compiler, vocab_size = llm.engine.grammars, llm.engine.arch.vocab_size
+    tokenizer = llm.tokenizer
+    grammars = [
+        compiler.grammar(StructuredOutputs(json=json.dumps(SCHEMAS["flat"]))),
+        compiler.grammar(StructuredOutputs(choice=("yes", "no"))),
+        compiler.grammar(StructuredOutputs(regex="[0-9]+")),
+    ]
+    grammars[0].accept(tokenizer.encode('{"name":"', add_special_tokens=False))
+    done = compiler.grammar(StructuredOutputs(choice=("a",)))
+    done.accept(tokenizer.encode("a", add_special_tokens=False))
+    assert done.is_terminated  # only EOS is left
+    broken = compiler.grammar(StructuredOutputs(regex="[0-9]+"))
+    broken.accept(tokenizer.encode("x", add_special_tokens=False))
+    assert "does not follow" in broken.error  # and no token can follow it
+
+    class Seq:
+        def __init__(self, grammar):
+            self.grammar = grammar
+
+    seqs = [Seq(grammars[0]), Seq(None), Seq(grammars[1]), Seq(grammars[2]), Seq(done), Seq(broken)]
+    logits = torch.randn(len(seqs), vocab_size)
+    before = logits.clone()
+    masks = GrammarMasks(vocab_size)
+    pending = masks.start(seqs)
+    assert pending.rows == [0, 2, 3, 4, 5]
+    masks.apply(pending, logits)
+    assert torch.equal(logits[1], before[1])
+    for row, grammar in zip(pending.rows, pending.grammars):
+        bits = torch.empty((vocab_size + 31) // 32, dtype=torch.int32)
+        grammar.fill_mask(bits)
+        allowed = torch.tensor(
+            [bool((int(bits[t // 32]) >> (t % 32)) & 1) for t in range(vocab_size)]
+        )
+        assert torch.equal(logits[row], torch.where(allowed, before[row], -torch.inf)), row
+    # a finished or broken grammar allows EOS alone (the request has already ended by then)
+    eos = llm.engine.eos_token_ids
+    for row in (4, 5):
+        assert logits[row].isfinite().nonzero().flatten().tolist() == list(eos), row
+    # a mask with no token allowed is a dead end: the grammar says so, the row is all -inf
+    empty = Future()
+    empty.set_result(torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32))
+    grammar = compiler.grammar(StructuredOutputs(regex="[0-9]+"))
+    masks.apply(PendingMasks([1], [grammar], empty), logits)
+    assert logits[1].isinf().all() and "allows no token after 0" in grammar.error
+    assert masks.start([Seq(None), Seq(None)]) is None  # nothing to do without grammars

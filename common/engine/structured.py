@@ -37,6 +37,7 @@ from common.tokenizer import Tokenizer
 
 _JSON_DEFAULTS = {"whitespace_flexible": False}
 _CACHE_SIZE = 512  # compiled grammars kept, by spec text
+_NEG_INF_BITS = np.array(-np.inf, dtype=np.float32).view(np.int32)  # -inf as float32 bits
 
 
 class GrammarCompiler:
@@ -162,7 +163,8 @@ class Grammar:
         self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
 
     def dead_end(self) -> None:
-        self.error = f"the grammar allows no token after {self.num_accepted} output tokens"
+        if self.error is None:
+            self.error = f"the grammar allows no token after {self.num_accepted} output tokens"
 
 
 class HasGrammar(Protocol):
@@ -195,16 +197,29 @@ class GrammarMasks:
         return PendingMasks(rows, grammars, self._pool.submit(self._fill, grammars))
 
     def apply(self, pending: PendingMasks, logits: torch.Tensor) -> None:
-        """-inf, in place, for the tokens outside each row's mask of logits (B, V)."""
-        bits = pending.future.result()  # (R, W) int32
-        allowed = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")
-        allowed = torch.from_numpy(allowed[:, : logits.shape[1]])  # (R, V) uint8
-        for grammar, num in zip(pending.grammars, allowed.sum(dim=1).tolist()):
-            if num == 0:
+        """-inf, in place, for the tokens outside each row's mask of float32 logits (B, V)."""
+        bits = pending.future.result().numpy()  # (R, W) int32
+        for grammar, is_alive in zip(pending.grammars, bits.any(axis=1).tolist()):
+            if not is_alive:
                 grammar.dead_end()
-        rows = torch.tensor(pending.rows, device=logits.device)
-        blocked = (allowed == 0).to(logits.device)
-        logits[rows] = logits[rows].masked_fill(blocked, float("-inf"))
+        vocab_size = logits.shape[1]
+        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")  # (R, 32 W)
+        allowed = allowed[:, :vocab_size]  # (R, V) uint8, 1: allowed
+        if logits.device.type != "cpu":
+            blocked = torch.from_numpy(allowed == 0).to(logits.device)
+            rows = torch.tensor(pending.rows, device=logits.device)
+            logits[rows] = logits[rows].masked_fill(blocked, float("-inf"))
+            return
+        # NOTE: on CPU a masked fill is ~7x slower than rewriting the float bits: a logit
+        # AND -1 (all bits) stays, AND 0 then OR -inf's bits becomes -inf
+        keep = allowed.astype(np.int32)
+        np.negative(keep, out=keep)  # (R, V): -1 where allowed, 0 where blocked
+        fill = np.bitwise_and(np.invert(keep), _NEG_INF_BITS)  # -inf's bits where blocked
+        table = logits.numpy()
+        for j, row in enumerate(pending.rows):
+            bits_of_row = table[row].view(np.int32)  # (V,), the row's floats as their bits
+            np.bitwise_and(bits_of_row, keep[j], out=bits_of_row)
+            np.bitwise_or(bits_of_row, fill[j], out=bits_of_row)
 
     def _fill(self, grammars: list[Grammar]) -> torch.Tensor:
         if self._bits.shape[0] < len(grammars):
