@@ -10,8 +10,8 @@ a grammar.
    time (µs, median and p99) while walking a valid compact instance of the schema token by token:
    on the first walk (a first request) and on `--walks` - 1 later walks with fresh matchers
    (warm). JSON is compact in both (llguidance: whitespace_flexible false, as the engine;
-   xgrammar: any_whitespace false). This code is the benchmark's only: the engine uses llguidance
-   (common/engine/structured.py).
+   xgrammar: any_whitespace false, separators "," and ":"). This code is the benchmark's only:
+   the engine uses llguidance (common/engine/structured.py).
 
     python -m benchmarks.bench_structured --libraries-only [--library llguidance xgrammar]
     # xgrammar is not in the project's venv; a scratch one:
