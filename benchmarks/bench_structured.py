@@ -17,7 +17,7 @@ a grammar.
     # xgrammar is not in the project's venv; a scratch one:
     python3 -m venv /tmp/xgv && /tmp/xgv/bin/pip install torch==2.13.0 \
         && /tmp/xgv/bin/pip install xgrammar llguidance tokenizers numpy
-    cd /work/wt-bench && PYTHONPATH=. /tmp/xgv/bin/python -m benchmarks.bench_structured \
+    PYTHONPATH=. /tmp/xgv/bin/python -m benchmarks.bench_structured \
         --libraries-only
 
 2. Engine (the project's venv): `LLM(SmolLM2, dtype="float32")`, compiled, 32 prompts of 128
