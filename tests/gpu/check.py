@@ -222,7 +222,9 @@ def tp_part(plan: Plan) -> dict:
         return random_prompts(plan.prompt_lens, vocab_size, seed=5)
 
     spec = plan.spec
-    return measure(spec.model, spec.device, prompts, plan.max_tokens, *plan.tp_speed)
+    return measure(
+        spec.model, spec.device, prompts, plan.max_tokens, *plan.tp_speed, spec.num_blocks
+    )
 
 
 def skipped(reason: str) -> dict:
