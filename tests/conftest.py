@@ -29,15 +29,19 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def start_server(tmp_path_factory):
-    """start_server(role, *args) → a ready ServerProcess; all are stopped at module end."""
+    """start_server(role, *args) → a ready ServerProcess; all are stopped at module end.
+    `wait=False`: started, not yet ready (`wait_ready()` it): workers a fixture needs together
+    start side by side."""
     from tests.servers import ServerProcess
 
     started = []
 
-    def start(role: str, *args: str):
+    def start(role: str, *args: str, wait: bool = True):
         log = tmp_path_factory.mktemp("logs") / f"{role}.log"
         server = ServerProcess(role, list(args), log)
         started.append(server)
+        if not wait:
+            return server
         return server.wait_ready(path="/ready" if role == "proxy" else "/health")
 
     yield start

@@ -28,9 +28,9 @@ ADMIN = "admin-key"
 def workers(start_server, tiny_model):
     common = ["--model", str(tiny_model("llama")), "--num-blocks", "600", "--max-model-len", "512"]
     common += ["--kv-lease-timeout", "20"]
-    p = start_server("prefill", *common)
-    ds = [start_server("decode", *common, "--drain-migrate") for _ in range(2)]
-    return p, ds
+    p = start_server("prefill", *common, wait=False)
+    ds = [start_server("decode", *common, "--drain-migrate", wait=False) for _ in range(2)]
+    return p.wait_ready(), [d.wait_ready() for d in ds]  # started side by side
 
 
 def proxy_for(start_server, p, ds, *extra: str):

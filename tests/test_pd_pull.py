@@ -29,10 +29,14 @@ def pd(start_server, model):
     common = ["--model", model, "--num-blocks", "256", "--max-model-len", "256"]
     # NOTE: bitwise-equal output needs both sides to compute the prompt the same way; a prefix
     # hit takes another attention path, whose fp32 noise (~1e-6) can flip a seeded draw
-    p = start_server("prefill", *common, "--kv-lease-timeout", "30", "--no-prefix-caching")
+    p = start_server(
+        "prefill", *common, "--kv-lease-timeout", "30", "--no-prefix-caching", wait=False
+    )
     # no prefix cache on D: every block of every prompt is read from P, none served locally
-    d = start_server("decode", *common, "--kv-load-timeout", "10", "--no-prefix-caching")
-    return p, d
+    d = start_server(
+        "decode", *common, "--kv-load-timeout", "10", "--no-prefix-caching", wait=False
+    )
+    return p.wait_ready(), d.wait_ready()  # started side by side
 
 
 def prefill(p, body: dict) -> dict:

@@ -161,7 +161,7 @@ def graphs_part(plan: Plan) -> dict:
 
     spec = plan.spec
     if spec.device != "cuda":
-        return check(spec.model, spec.device, "float32", SIZES, tolerance=1e-4)
+        return check(spec.model, spec.device, "float32", SIZES, 1e-4, spec.num_blocks)
     runs = {
         "bf16_default": check(None, "cuda", "bfloat16", None),
         "fp32_torch": check(None, "cuda", "float32", SIZES, tolerance=1e-3),
@@ -222,7 +222,9 @@ def tp_part(plan: Plan) -> dict:
         return random_prompts(plan.prompt_lens, vocab_size, seed=5)
 
     spec = plan.spec
-    return measure(spec.model, spec.device, prompts, plan.max_tokens, *plan.tp_speed)
+    return measure(
+        spec.model, spec.device, prompts, plan.max_tokens, *plan.tp_speed, spec.num_blocks
+    )
 
 
 def skipped(reason: str) -> dict:

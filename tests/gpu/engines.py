@@ -175,15 +175,28 @@ class ChildEngine:
     """An `EngineSide` in a spawned process; its methods are called over a pipe."""
 
     def __init__(
-        self, spec: EngineSpec, role: str, timeout: float = 300.0, env: dict | None = None
+        self,
+        spec: EngineSpec,
+        role: str,
+        timeout: float = 300.0,
+        env: dict | None = None,
+        wait: bool = True,
     ):
+        """`wait=False`: return once the child is started; `ready()` waits for its engine (so
+        that two children build theirs at the same time)."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._timeout = timeout
         self._proc = ctx.Process(target=_serve, args=(child, spec, role), daemon=True)
         with _environ(env or {}):  # the child starts with it, before CUDA or UCX load
             self._proc.start()
-        self._receive()  # the engine is built
+        if wait:
+            self.ready()
+
+    def ready(self) -> ChildEngine:
+        """Wait until the child's engine is built (raises what building it raised)."""
+        self._receive()
+        return self
 
     def __getattr__(self, name: str) -> Any:
         def call(*args):
@@ -202,8 +215,9 @@ class ChildEngine:
 
     def close(self) -> None:
         try:
-            self._conn.send(("close", ()))
-            self._receive()
+            if self._proc.is_alive():  # not one whose engine failed to build (it has exited)
+                self._conn.send(("close", ()))
+                self._receive()
         finally:
             self._proc.join(10)
             if self._proc.is_alive():

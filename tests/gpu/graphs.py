@@ -89,11 +89,18 @@ def agreeing_prefix(got: list[int], ref: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), len(got))
 
 
-def check(model: str | None, device: str, dtype: str, sizes=SIZES, tolerance=None) -> dict:
+def check(
+    model: str | None, device: str, dtype: str, sizes=SIZES, tolerance=None, num_blocks=None
+) -> dict:
     """Graphs of `sizes` (None: the engine's default) against none, on `model` (None: SmolLM2).
     With `tolerance` (on the logits' largest difference) the tokens must also be equal;
-    without (bf16: a padded batch may round otherwise), they and the difference are reported."""
+    without (bf16: a padded batch may round otherwise), they and the difference are reported.
+    `num_blocks`: the KV pool's size (None: what memory allows); `watch_padding` copies and
+    compares the whole KV at every replay, so a CPU run (which sizes its pool by host memory:
+    ~87k blocks) names a small one."""
     options = dict(device=device, dtype=dtype, enable_prefix_caching=False, max_model_len=512)
+    if num_blocks is not None:
+        options["num_blocks"] = num_blocks
     with_graphs = LLM(model, cuda_graph_sizes=sizes, **options).engine
     plain = LLM(model, cuda_graph_sizes=(), **options).engine
     graphs = with_graphs.runner.graphs

@@ -35,7 +35,9 @@ def child_pair(spec: EngineSpec, gpus: tuple[str | None, str | None]) -> Iterato
     try:
         for role, gpu in zip(("prefill", "decode"), gpus, strict=True):
             env = {} if gpu is None else {"CUDA_VISIBLE_DEVICES": gpu}
-            sides.append(ChildEngine(spec, role, env=env))
+            sides.append(ChildEngine(spec, role, env=env, wait=False))
+        for side in sides:  # both build their engines at once
+            side.ready()
         p, d = sides
         p.add_peer(*d.peer_info())
         d.add_peer(*p.peer_info())

@@ -30,6 +30,7 @@ def measure(
     dtype: str = "bfloat16",
     cuda_graph_sizes: tuple[int, ...] | None = None,  # None: the engine's default
     with_sample: bool = False,
+    num_blocks: int | None = None,  # the KV pool (None: what memory allows)
 ) -> dict:
     llm = LLM(
         model,
@@ -39,6 +40,7 @@ def measure(
         enforce_eager=enforce_eager,
         tensor_parallel_size=tensor_parallel_size,
         cuda_graph_sizes=cuda_graph_sizes,
+        **({} if num_blocks is None else {"num_blocks": num_blocks}),
     )
     try:
         result = _measure(llm, batch_sizes, prompt_len, new_tokens, enforce_eager)

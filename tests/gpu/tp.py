@@ -26,6 +26,7 @@ def measure(
     batch_sizes: tuple[int, ...],
     prompt_len: int,
     new_tokens: int,
+    num_blocks: int | None = None,  # the KV pool (None: what memory allows)
 ) -> dict:
     if device == "cuda" and torch.cuda.device_count() < 2:
         return {
@@ -41,6 +42,7 @@ def measure(
             tensor_parallel_size=tp,
             enforce_eager=True,
             enable_prefix_caching=False,
+            **({} if num_blocks is None else {"num_blocks": num_blocks}),
         )
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -59,6 +61,7 @@ def measure(
             enforce_eager=True,
             tensor_parallel_size=tp,
             dtype=speed_dtype,
+            num_blocks=num_blocks,
         )
         for tp in (1, 2)
     }
