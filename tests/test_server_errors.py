@@ -138,7 +138,9 @@ def test_429_past_max_waiting(start_server, tiny_model):
 
 def test_503_while_starting(tiny_model):
     gate = threading.Event()
-    config = EngineConfig(ModelConfig(str(tiny_model("llama"))), CacheConfig(num_blocks=32))
+    # eager: a compile would only lengthen the start that the test waits out
+    model = ModelConfig(str(tiny_model("llama")), enforce_eager=True)
+    config = EngineConfig(model, CacheConfig(num_blocks=32))
 
     def slow_engine() -> LLMEngine:
         gate.wait(30)
@@ -157,7 +159,7 @@ def test_503_while_starting(tiny_model):
         assert_error(r, 503)
         assert "starting" in r.json()["error"]["message"]
         gate.set()
-        assert wait_until(lambda: httpx.get(f"{url}/health").status_code == 200)
+        assert wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, timeout=60)
     finally:
         gate.set()
         server.should_exit = True

@@ -127,7 +127,7 @@ class LLMEngine:
             graph_sizes=graph_sizes,
             max_model_len=self.max_model_len,
             pad_block=self.num_blocks - 1,
-            masks=GrammarMasks(self.arch.vocab_size),
+            masks=GrammarMasks(self.grammars.vocab_size),
         )
         self.remote = RemotePrefills(
             self.connector, self.scheduler, config.transfer, cc.block_size, self.pool

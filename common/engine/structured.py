@@ -22,6 +22,7 @@ cannot spend its tokens on blank space, and the output still parses.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +36,8 @@ import torch
 from common.engine.sampling_params import StructuredOutputs
 from common.tokenizer import Tokenizer
 
+logger = logging.getLogger(__name__)
+
 _JSON_DEFAULTS = {"whitespace_flexible": False}
 _CACHE_SIZE = 512  # compiled grammars kept, by spec text
 _NEG_INF_BITS = np.array(-np.inf, dtype=np.float32).view(np.int32)  # -inf as float32 bits
@@ -42,16 +45,24 @@ _NEG_INF_BITS = np.array(-np.inf, dtype=np.float32).view(np.int32)  # -inf as fl
 
 class GrammarCompiler:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
+        """`vocab_size`: the model's (its logits' width). The grammar's vocabulary, and a
+        mask's bits, cover the larger of it and the tokenizer's (a model may have fewer rows
+        than its tokenizer has tokens)."""
         self._tokenizer = tokenizer
-        self.vocab_size = vocab_size
+        self.vocab_size = max(vocab_size, tokenizer.vocab_size)
         self._eos_token_ids = list(eos_token_ids)
         self._ll_tokenizer = None
         self._lock = threading.Lock()
         self._compile = lru_cache(maxsize=_CACHE_SIZE)(self._compile_uncached)
 
     def warm_up(self) -> None:
-        """Build the tokenizer's token trie now (0.3 s for a 49k vocabulary, 10 ms for 1k)."""
-        _ = self.ll_tokenizer
+        """Build the tokenizer's token trie now (0.3 s for a 49k vocabulary, 10 ms for 1k). A
+        tokenizer llguidance cannot take leaves the engine without structured outputs: each
+        request with one is then refused (ValueError), the others run."""
+        try:
+            _ = self.ll_tokenizer
+        except ValueError as e:
+            logger.warning("structured outputs are unavailable: %s", e)
 
     def check(self, spec: StructuredOutputs) -> None:
         """ValueError if `spec` cannot compile; blocking (about a millisecond for a JSON schema
@@ -65,15 +76,19 @@ class GrammarCompiler:
 
     @property
     def ll_tokenizer(self):
+        """llguidance's view of the tokenizer (ValueError if it cannot take this one)."""
         with self._lock:
             if self._ll_tokenizer is None:
                 import llguidance
 
-                self._ll_tokenizer = llguidance.LLTokenizer(
-                    self._tokenizer.backend.to_str(),
-                    n_vocab=self.vocab_size,
-                    eos_token=self._eos_token_ids,
-                )
+                try:
+                    self._ll_tokenizer = llguidance.LLTokenizer(
+                        self._tokenizer.backend.to_str(),
+                        n_vocab=self.vocab_size,
+                        eos_token=self._eos_token_ids,
+                    )
+                except Exception as e:  # NOTE: the Rust side raises ValueError or a bare one
+                    raise ValueError(f"the tokenizer does not fit llguidance ({e})") from e
             return self._ll_tokenizer
 
     def _compile_uncached(self, key: tuple[str, str]) -> str:
