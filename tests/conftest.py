@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -45,8 +46,9 @@ def start_server(tmp_path_factory):
         return server.wait_ready(path="/ready" if role == "proxy" else "/health")
 
     yield start
-    for server in started:
-        server.stop()
+    # side by side: a worker's drain (held KV, a lease) must not wait for another's
+    with ThreadPoolExecutor(max(1, len(started))) as pool:
+        list(pool.map(lambda server: server.stop(), started))
 
 
 @pytest.fixture(scope="module")

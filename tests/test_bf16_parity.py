@@ -41,7 +41,9 @@ import pytest
 import torch
 import transformers
 
+from common.config import ModelConfig
 from common.engine.llm import LLM
+from common.tokenizer import Tokenizer
 from tests.oracle import engine_greedy, hf_greedy
 from tests.test_model_parity import PROMPT_LENS, _prompt
 from tests.test_smollm2 import QUESTIONS
@@ -65,19 +67,28 @@ def _check_logits(logits: torch.Tensor, hf_logits: torch.Tensor, steps: int, wha
     return ratio
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
-def test_smollm2_bf16_first_16_tokens_match_transformers_bf16(enforce_eager):
-    # compiled: oneDNN-packed bf16 GEMMs where this CPU has native bf16, inductor's kernels
-    llm = LLM(num_blocks=256, max_model_len=2048, dtype="bfloat16", enforce_eager=enforce_eager)
-    folder = llm.engine.config.model.model_dir
+@pytest.fixture(scope="module")
+def smollm2_references():
+    """SmolLM2's float64 model, and transformers' bf16 greedy tokens and logits for each
+    question: once for both paths of the engine."""
+    folder = ModelConfig().model_dir
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-    reference = _float64_model(folder)
-    tok = llm.tokenizer
+    tok = Tokenizer.from_dir(folder)
+    answers = {}
     for question in QUESTIONS:
         prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]))
+        answers[question] = (prompt, *hf_greedy(hf, prompt, NEW_TOKENS, pad_id=2))
+    return _float64_model(folder), answers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
+def test_smollm2_bf16_first_16_tokens_match_transformers_bf16(enforce_eager, smollm2_references):
+    # compiled: oneDNN-packed bf16 GEMMs where this CPU has native bf16, inductor's kernels
+    llm = LLM(num_blocks=256, max_model_len=2048, dtype="bfloat16", enforce_eager=enforce_eager)
+    reference, answers = smollm2_references
+    for question, (prompt, hf_tokens, hf_logits) in answers.items():
         tokens, logits = engine_greedy(llm, prompt, NEW_TOKENS)
-        hf_tokens, hf_logits = hf_greedy(hf, prompt, NEW_TOKENS, pad_id=2)
         k = _first_divergence(tokens, hf_tokens)
         steps = min(k + 1, NEW_TOKENS)
         _check_logits(logits, hf_logits, steps, repr(question))

@@ -8,8 +8,10 @@ import jsonschema
 import pytest
 import torch
 
+from common.config import ModelConfig
 from common.engine.llm import LLM
 from common.engine.sampling_params import SamplingParams, StructuredOutputs
+from common.tokenizer import Tokenizer
 from tests.oracle import engine_greedy, hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -30,11 +32,18 @@ def llm(request):
 
 
 @pytest.fixture(scope="module")
-def hf(llm):
+def hf_reference():
+    """transformers' greedy tokens and logits for each question: computed once, for both
+    paths of the engine (the oracle does not change with them)."""
     import transformers
 
-    folder = llm.engine.config.model.model_dir
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    folder = ModelConfig().model_dir
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = Tokenizer.from_dir(folder)
+    prompts = [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS
+    ]
+    return {q: (p, *hf_greedy(hf, p, NEW_TOKENS, pad_id=2)) for q, p in zip(QUESTIONS, prompts)}
 
 
 def test_chat_answers_paris(llm):
@@ -44,14 +53,9 @@ def test_chat_answers_paris(llm):
     assert "Paris" in out.text and out.finish_reason == "stop"
 
 
-def test_greedy_tokens_and_logits_match_transformers(llm, hf):
-    tok = llm.tokenizer
-    prompts = [
-        tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS
-    ]
-    for question, prompt in zip(QUESTIONS, prompts):
+def test_greedy_tokens_and_logits_match_transformers(llm, hf_reference):
+    for question, (prompt, hf_tokens, hf_logits) in hf_reference.items():
         tokens, logits = engine_greedy(llm, prompt, NEW_TOKENS)
-        hf_tokens, hf_logits = hf_greedy(hf, prompt, NEW_TOKENS, pad_id=2)
         assert tokens == hf_tokens, question
         diff = (logits - hf_logits).abs().max().item()
         assert diff < 1e-4, f"{question!r}: max |logit diff| {diff:.2e}"
