@@ -29,7 +29,9 @@ CHATS = [
 def workers(start_server, tiny_model):
     common = ["--model", str(tiny_model("llama")), "--num-blocks", "256", "--max-model-len", "512"]
     common += ["--no-prefix-caching", "--internal-token", TOKEN, "--served-model-name", "tiny"]
-    return start_server("prefill", *common), start_server("decode", *common)
+    p = start_server("prefill", *common, wait=False)
+    d = start_server("decode", *common, wait=False)
+    return p.wait_ready(), d.wait_ready()  # started side by side
 
 
 @pytest.fixture(scope="module")
