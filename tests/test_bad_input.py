@@ -84,9 +84,7 @@ def workers(start_server, tiny_model):
     common = ["--model", str(tiny_model("llama")), "--num-blocks", "256", "--max-model-len"]
     common += [str(MAX_MODEL_LEN), "--internal-token", TOKEN, "--served-model-name", "tiny"]
     common += ["--arrival-wait-ms", "60000"]
-    p = start_server("prefill", *common, wait=False)
-    d = start_server("decode", *common, wait=False)
-    return p.wait_ready(), d.wait_ready()  # started side by side
+    return start_server("prefill", *common), start_server("decode", *common)
 
 
 @pytest.fixture(scope="module")

@@ -28,9 +28,7 @@ def workers(start_server, tiny_model):
     common += ["--no-prefix-caching", "--internal-token", TOKEN, "--served-model-name", "tiny"]
     # leases and reservations outlive the test: only an explicit release frees them in time
     common += ["--kv-lease-timeout", "300"]
-    p = start_server("prefill", *common, wait=False)
-    d = start_server("decode", *common, wait=False)
-    return p.wait_ready(), d.wait_ready()  # started side by side
+    return start_server("prefill", *common), start_server("decode", *common)
 
 
 def start_proxy(start_server, workers, *args: str):

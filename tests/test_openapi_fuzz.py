@@ -29,9 +29,7 @@ def workers(start_server, tiny_model):
     # small contexts keep the generated requests cheap; reservations expire within seconds
     common = ["--model", str(tiny_model("llama")), "--num-blocks", "512", "--max-model-len", "96"]
     common += ["--internal-token", TOKEN, "--served-model-name", "tiny", "--kv-lease-timeout", "2"]
-    p = start_server("prefill", *common, wait=False)
-    d = start_server("decode", *common, wait=False)
-    return p.wait_ready(), d.wait_ready()  # started side by side
+    return start_server("prefill", *common), start_server("decode", *common)
 
 
 @pytest.fixture(scope="module")

@@ -32,13 +32,12 @@ def workers(start_server, tiny_model):
     at TP 1 and 2, with no prefix cache (every block is transferred)."""
     common = ["--model", str(tiny_model("llama")), "--num-blocks", "128", "--max-model-len", "256"]
     common += ["--no-prefix-caching", "--kv-checksum"]
-    started = {
-        "p1": start_server("prefill", *common, wait=False),
-        "p2": start_server("prefill", *common, "-tp", "2", wait=False),
-        "d1": start_server("decode", *common, wait=False),
-        "d2": start_server("decode", *common, "-tp", "2", wait=False),
+    return {
+        "p1": start_server("prefill", *common),
+        "p2": start_server("prefill", *common, "-tp", "2"),
+        "d1": start_server("decode", *common),
+        "d2": start_server("decode", *common, "-tp", "2"),
     }
-    return {name: server.wait_ready() for name, server in started.items()}  # side by side
 
 
 def alone(d1, body: dict) -> list[int]:

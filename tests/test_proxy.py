@@ -29,9 +29,7 @@ CHATS = [
 def workers(start_server, tiny_model):
     common = ["--model", str(tiny_model("llama")), "--num-blocks", "256", "--max-model-len", "512"]
     common += ["--no-prefix-caching", "--internal-token", TOKEN, "--served-model-name", "tiny"]
-    p = start_server("prefill", *common, wait=False)
-    d = start_server("decode", *common, wait=False)
-    return p.wait_ready(), d.wait_ready()  # started side by side
+    return start_server("prefill", *common), start_server("decode", *common)
 
 
 @pytest.fixture(scope="module")
