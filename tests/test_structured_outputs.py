@@ -16,7 +16,7 @@ import torch
 from common.engine.llm import LLM
 from common.engine.request import Resume
 from common.engine.sampling_params import SamplingParams, StructuredOutputs
-from common.engine.structured import GrammarMasks, PendingMasks
+from common.engine.structured import GrammarMasks, PendingMasks, block_by_bits, block_by_fill
 from common.kv_transfer.fake import Loopback
 from tests.test_pd_inprocess import connect, make_engine, prefill, reserve, run, settle
 
@@ -293,3 +293,18 @@ def test_masks_block_exactly_the_tokens_the_grammar_refuses(llm):
     masks.apply(PendingMasks([1], [grammar], empty), logits)
     assert logits[1].isinf().all() and "allows no token after 0" in grammar.error
     assert masks.start([Seq(None), Seq(None)]) is None  # nothing to do without grammars
+
+
+def test_the_cpu_bit_path_equals_the_masked_fill_of_other_devices():
+    """block_by_bits (CPU) and block_by_fill (what a GPU runs) block the same tokens, bit for
+    bit, on a subset of rows of logits with +-inf and NaN-free extremes."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=g) * 30
+    logits[0, :3] = torch.tensor([float("inf"), float("-inf"), -0.0])
+    allowed = (torch.rand(3, 1000, generator=g) < 0.3).to(torch.uint8).numpy()
+    rows = [0, 2, 5]
+    by_bits, by_fill = logits.clone(), logits.clone()
+    block_by_bits(by_bits, rows, allowed)
+    block_by_fill(by_fill, rows, allowed)
+    assert torch.equal(by_bits, by_fill) and not torch.equal(by_bits, logits)
+    assert torch.equal(by_bits[[1, 3, 4]], logits[[1, 3, 4]])

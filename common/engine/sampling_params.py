@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -38,7 +39,7 @@ class StructuredOutputs:
         if self.json_object:
             return "json_object", ""
         if self.choice is not None:
-            return "choice", "\x00".join(self.choice)
+            return "choice", json.dumps(self.choice)  # any string, NUL included
         kind = next(k for k in ("json", "regex", "grammar") if getattr(self, k) is not None)
         return kind, getattr(self, kind)
 

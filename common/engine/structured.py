@@ -132,7 +132,7 @@ def _to_llguidance(kind: str, text: str) -> str:
         return LLMatcher.grammar_from_regex(text)
     if kind == "choice":
         # NOTE: Lark string literals take JSON's escapes, so any string is one literal
-        options = " | ".join(json.dumps(c, ensure_ascii=False) for c in text.split("\x00"))
+        options = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(text))
         return LLMatcher.grammar_from_lark(f"start: {options}")
     assert kind == "grammar", kind
     if "::=" in text:  # GBNF / EBNF, as llama.cpp and vLLM's xgrammar read it
@@ -220,21 +220,8 @@ class GrammarMasks:
         vocab_size = logits.shape[1]
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")  # (R, 32 W)
         allowed = allowed[:, :vocab_size]  # (R, V) uint8, 1: allowed
-        if logits.device.type != "cpu":
-            blocked = torch.from_numpy(allowed == 0).to(logits.device)
-            rows = torch.tensor(pending.rows, device=logits.device)
-            logits[rows] = logits[rows].masked_fill(blocked, float("-inf"))
-            return
-        # NOTE: on CPU a masked fill is ~7x slower than rewriting the float bits: a logit
-        # AND -1 (all bits) stays, AND 0 then OR -inf's bits becomes -inf
-        keep = allowed.astype(np.int32)
-        np.negative(keep, out=keep)  # (R, V): -1 where allowed, 0 where blocked
-        fill = np.bitwise_and(np.invert(keep), _NEG_INF_BITS)  # -inf's bits where blocked
-        table = logits.numpy()
-        for j, row in enumerate(pending.rows):
-            bits_of_row = table[row].view(np.int32)  # (V,), the row's floats as their bits
-            np.bitwise_and(bits_of_row, keep[j], out=bits_of_row)
-            np.bitwise_or(bits_of_row, fill[j], out=bits_of_row)
+        block = block_by_bits if logits.device.type == "cpu" else block_by_fill
+        block(logits, pending.rows, allowed)
 
     def _fill(self, grammars: list[Grammar]) -> torch.Tensor:
         if self._bits.shape[0] < len(grammars):
@@ -243,3 +230,23 @@ class GrammarMasks:
         for i, grammar in enumerate(grammars):
             grammar.fill_mask(bits[i])
         return bits
+
+
+def block_by_fill(logits: torch.Tensor, rows: list[int], allowed: np.ndarray) -> None:
+    """-inf in `rows` of logits (B, V) where allowed (R, V) is 0: a masked fill, on any device."""
+    blocked = torch.from_numpy(allowed == 0).to(logits.device)
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(blocked, float("-inf"))
+
+
+def block_by_bits(logits: torch.Tensor, rows: list[int], allowed: np.ndarray) -> None:
+    """The same on CPU float32, ~7x faster than a masked fill there: each row's floats as their
+    bits, a logit AND -1 (all bits) stays, AND 0 then OR -inf's bits becomes -inf."""
+    keep = allowed.astype(np.int32)
+    np.negative(keep, out=keep)  # (R, V): -1 where allowed, 0 where blocked
+    fill = np.bitwise_and(np.invert(keep), _NEG_INF_BITS)  # -inf's bits where blocked
+    table = logits.numpy()
+    for j, row in enumerate(rows):
+        bits_of_row = table[row].view(np.int32)  # (V,), in place
+        np.bitwise_and(bits_of_row, keep[j], out=bits_of_row)
+        np.bitwise_or(bits_of_row, fill[j], out=bits_of_row)
