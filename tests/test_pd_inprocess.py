@@ -145,6 +145,18 @@ def test_pull_equals_colocated_and_is_loaded_not_recomputed(p, d, mode):
     assert after.num_checksum_failures == before.num_checksum_failures  # every layer checked
 
 
+def test_a_request_aborted_before_its_read_gives_the_lease_back_at_once(p, d):
+    """A pulling request that D aborts while it waits to be scheduled (its client left) tells P
+    at once: P's blocks do not wait out the lease (30 s here)."""
+    prompt = prompts()[3]
+    kv = prefill(p, prompt)
+    assert p.pool.num_free_blocks < p.pool.num_blocks  # leased to D
+    d.add_request("gone", prompt, sampling("greedy"), kv)
+    d.abort_request("gone")
+    settle(p, d)  # one second at most
+    assert p.connector.stats_snapshot().num_lease_expiries == 0
+
+
 def test_first_token_from_p_or_recomputed_on_d(p, d):
     """With P's first token D generates from the second; without it (vLLM's params) D samples
     the first itself from the loaded KV: the same tokens either way."""

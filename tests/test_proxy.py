@@ -74,7 +74,16 @@ def chat_stream(base_url: str, messages: list, key: str = KEY, **extra) -> dict:
 
 def assert_pools_free(*servers) -> None:
     for s in servers:
-        assert wait_until(lambda s=s: s.metric("pdserve_kv_blocks_used") == 0), s.url
+        assert wait_until(lambda s=s: s.metric("pdserve_kv_blocks_used") == 0), pool_state(s)
+
+
+def pool_state(server) -> str:
+    """Where a worker's used blocks are, for a failure's message."""
+    names = ("used", "held", "in_transfer", "quarantined")
+    state = {n: server.metric(f"pdserve_kv_blocks_{n}") for n in names}
+    state["pushes_in_flight"] = server.metric("pdserve_kv_pushes_in_flight")
+    state["running"] = server.metric("pdserve_num_requests_running")
+    return f"{server.url}: {state}"
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])

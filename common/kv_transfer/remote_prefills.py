@@ -80,10 +80,12 @@ class RemotePrefills:
             self.queue.add_request(req)
 
     def abort(self, req: Request) -> None:
+        """D: a request ended before its KV was read (pull, still queued) or claimed (push)
+        gives back what P or the reservation holds for it at once, not at the lease's expiry.
+        Once its read is planned `remote_prefill` is None, and the read's own path notifies P."""
         self._sending.pop(req.request_id, None)
-        if any(r is req for r, _ in self._awaiting):
-            self._awaiting = [(r, d) for r, d in self._awaiting if r is not req]
-            self.give_back(req)
+        self._awaiting = [(r, d) for r, d in self._awaiting if r is not req]
+        self.give_back(req)
 
     def give_back(self, req: Request) -> None:
         """Free what the remote prefill holds for a request that will not read it."""
