@@ -408,6 +408,7 @@ class MigratingRelay:
     async def _migrate(self, up: Upstream, reason: str) -> None:
         """Each unfinished choice of a failed stream continues on another D; `Refused` if not."""
         logger.warning("decode worker %s failed a stream (%s)", up.worker.url, reason)
+        self.req.trace.end_calls_to(up.worker.url, error=reason)
         if up.worker not in self.failed:  # not for this request again; the health checks
             self.failed += (up.worker,)  # decide for the others
         moving = [i for i in up.choices if i in self.client.unfinished]

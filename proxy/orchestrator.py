@@ -319,7 +319,8 @@ class Orchestrator:
                     decode, req.path, content, headers, timeout or self.stream_timeout
                 ), decode
             except BaseException as e:  # the client leaving (cancelled) included
-                req.trace.end_span(span, error=getattr(e, "kind", type(e).__name__))
+                why = e.kind if isinstance(e, UpstreamError) else type(e).__name__
+                req.trace.end_span(span, error=why)
                 decode.num_outstanding -= 1
                 if not isinstance(e, UpstreamError):
                     raise

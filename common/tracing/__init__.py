@@ -71,19 +71,27 @@ class Trace:
         self.tracer = tracer
         self.start_ns = time.time_ns() if start_ns is None else start_ns
         self.root = tracer.start(name, headers, "server", self.start_ns, attributes)
-        self._open: list = []
+        self._open: list[tuple[Any, str | None]] = []  # (span, the server it calls)
 
     def child(self, name: str, kind: str = "internal", **attributes):
-        """A span under the root, started now; ended by `end_span`, or with the root."""
+        """A span under the root, started now; ended by `end_span`, or with the root. A call's
+        span names its server in `server.address`."""
         span = self.tracer.start(name, self.root, kind, attributes=attributes)
-        self._open.append(span)
+        self._open.append((span, attributes.get("server.address")))
         return span
 
     def end_span(self, span, **attributes) -> None:
-        if span in self._open:
-            self._open.remove(span)
-            self.tracer.set(span, attributes)
-            span.end()
+        for i, (open_span, _) in enumerate(self._open):
+            if open_span is span:
+                del self._open[i]
+                self.tracer.set(span, attributes)
+                span.end()
+                return
+
+    def end_calls_to(self, server: str, **attributes) -> None:
+        """End the open spans of calls to `server` (one that failed while answering)."""
+        for span in [span for span, to in self._open if to == server]:
+            self.end_span(span, **attributes)
 
     def record(self, name: str, start_ns: int, end_ns: int, parent=None, **attributes):
         """A span timed elsewhere (the engine thread), under `parent` (default: the root)."""
@@ -103,7 +111,7 @@ class Trace:
         self.root.add_event(name, {k: v for k, v in attributes.items() if v is not None})
 
     def end(self, end_ns: int | None = None, **attributes) -> None:
-        for span in self._open:
+        for span, _ in self._open:
             span.end(end_time=end_ns)
         self._open.clear()
         self.tracer.set(self.root, attributes)
@@ -117,6 +125,9 @@ class NoTrace:
         return None
 
     def end_span(self, span, **attributes) -> None:
+        pass
+
+    def end_calls_to(self, server: str, **attributes) -> None:
         pass
 
     def record(self, name: str, start_ns: int, end_ns: int, parent=None, **attributes) -> None:
