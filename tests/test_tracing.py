@@ -244,6 +244,75 @@ def test_one_trace_holds_the_proxy_p_transfer_and_d(cluster, receiver, mode):
     assert abs(parts - ttft * 1e3) <= max(50.0, 0.3 * ttft * 1e3), (parts, ttft * 1e3)
 
 
+# -- the Trace of one request --------------------------------------------------------------------
+
+
+def memory_tracer():
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from common.tracing.otel import OtelTracer
+
+    exporter = InMemorySpanExporter()
+    return OtelTracer.to_exporter(exporter, "pdserve-proxy"), exporter
+
+
+def test_a_trace_ends_its_open_calls_and_sends_each_calls_own_traceparent():
+    from common.tracing import start_trace
+
+    tracer, exporter = memory_tracer()
+    traceparent, trace_id, parent_id = new_traceparent()
+    trace = start_trace(tracer, "proxy.request", {"Traceparent": traceparent})
+    to_p = trace.child("proxy.prefill", "client", **{"server.address": "http://p"})
+    to_d = trace.child("proxy.decode", "client", **{"server.address": "http://d1"})
+    other = trace.child("proxy.decode", "client", **{"server.address": "http://d2"})
+    # the header sent on a call names that call's span, in the request's trace
+    assert trace.headers(to_d)["traceparent"] == f"00-{trace_id}-{to_d.context.span_id:016x}-01"
+    trace.end_span(to_p)
+    trace.end_calls_to("http://d1", error="drain")  # a D that failed mid-stream
+    assert [s.name for s in exporter.get_finished_spans()] == ["proxy.prefill", "proxy.decode"]
+    assert exporter.get_finished_spans()[1].attributes["error"] == "drain"
+    t0 = time.time_ns()
+    trace.record("kv.read", t0 - 5_000_000, t0 - 1_000_000)
+    trace.end(**{"http.status_code": 200})
+    spans = {
+        s.name + str(s.attributes.get("server.address", "")): s
+        for s in exporter.get_finished_spans()
+    }
+    assert spans["proxy.decodehttp://d2"].end_time is not None  # still open: ended with the root
+    root = spans["proxy.request"]
+    assert root.parent.span_id == int(parent_id, 16) and root.context.trace_id == int(trace_id, 16)
+    assert root.attributes["http.status_code"] == 200
+    read = spans["kv.read"]
+    assert (read.start_time, read.end_time) == (t0 - 5_000_000, t0 - 1_000_000)
+    assert all(s.parent.span_id == root.context.span_id for s in spans.values() if s is not root)
+    assert other.end_time is not None
+
+
+def test_no_trace_answers_every_call_a_trace_takes():
+    """With tracing off a request carries NO_TRACE: a method only Trace has would fail there,
+    on the path every request takes by default."""
+    import inspect
+
+    from common.tracing import NoTrace, Trace
+
+    def public(cls):
+        return {
+            name: list(inspect.signature(getattr(cls, name)).parameters.values())
+            for name in dir(cls)
+            if not name.startswith("_") and callable(getattr(cls, name))
+        }
+
+    assert public(NoTrace) == public(Trace)
+
+
+def test_the_traces_url():
+    from common.tracing.otel import traces_url
+
+    assert traces_url("http://jaeger:4318") == "http://jaeger:4318/v1/traces"
+    assert traces_url("http://jaeger:4318/") == "http://jaeger:4318/v1/traces"
+    assert traces_url("https://tempo/otlp/v1/traces") == "https://tempo/otlp/v1/traces"
+
+
 # -- in-process: a worker's spans, and its trace of its own -------------------------------------
 
 
