@@ -195,9 +195,13 @@ def test_one_trace_holds_the_proxy_p_transfer_and_d(cluster, receiver, mode):
     traceparent, trace_id, client_span = new_traceparent()
     ttft = stream_ttft(proxies[mode].url, {"traceparent": traceparent})
     transfer = ("pdserve-decode", "kv.read") if mode == "pull" else ("pdserve-prefill", "kv.write")
+    # the module's first request of each mode meets its peer: D meets P to read, P meets D to
+    # write
+    handshake = ("pdserve-decode" if mode == "pull" else "pdserve-prefill", "kv.handshake")
     names = {k: set(v) for k, v in NAMES.items()}
-    names["pdserve-proxy"].add("proxy.decode")
-    names[transfer[0]].add(transfer[1])
+    names["pdserve-proxy"] |= {"proxy.decode"} | ({"proxy.reserve"} if mode == "push" else set())
+    for service, name in (transfer, handshake):
+        names[service].add(name)
     spans = wait_for_trace(receiver, trace_id, names)
 
     root = spans["pdserve-proxy", "proxy.request"]
@@ -220,6 +224,11 @@ def test_one_trace_holds_the_proxy_p_transfer_and_d(cluster, receiver, mode):
         assert spans["pdserve-decode", name]["parent_id"] == d_root["span_id"], name
     moved = spans[transfer]
     assert moved["parent_id"] == (p_root if mode == "push" else d_root)["span_id"]
+    # the handshake is part of its worker's admission, and a span of its own there
+    met = spans[handshake]
+    admission = spans[handshake[0], "admission"]
+    assert met["parent_id"] == admission["parent_id"]
+    assert admission["start"] <= met["start"] <= met["end"] <= admission["end"]
     if mode == "push":
         assert ("pdserve-decode", "kv.read") not in spans  # D read nothing: P wrote it
     else:
@@ -232,16 +241,23 @@ def test_one_trace_holds_the_proxy_p_transfer_and_d(cluster, receiver, mode):
     assert p_call["start"] <= p_root["start"] <= p_root["end"] <= p_call["end"]
     assert d_call["start"] <= d_root["start"]
     # what the client waited for its first token, span by span: the proxy's queue and routing,
-    # P's call, D's admission (its first request from this P shakes hands) and first step (the
-    # proxy waits for D's stream here: --no-first-token-from-prefill)
+    # the reservation on D (push), P's call, D's admission (in pull its first request from this
+    # P shakes hands) and first step (the proxy waits for D's stream: no first token from P)
+    reserve = spans.get(("pdserve-proxy", "proxy.reserve"))
+    assert (reserve is not None) == (mode == "push")
     parts = (
         ms(spans["pdserve-proxy", "proxy.queue"])
         + ms(spans["pdserve-proxy", "proxy.route"])
+        + (ms(reserve) if reserve else 0.0)
         + ms(p_call)
         + ms(spans["pdserve-decode", "admission"])
         + ms(spans["pdserve-decode", "first_step"])
     )
-    assert abs(parts - ttft * 1e3) <= max(50.0, 0.3 * ttft * 1e3), (parts, ttft * 1e3)
+    timeline = [
+        (k, round((s["start"] - root["start"]) / 1e6, 1), round(ms(s), 1))
+        for k, s in sorted(spans.items(), key=lambda kv: kv[1]["start"])
+    ]
+    assert abs(parts - ttft * 1e3) <= max(50.0, 0.3 * ttft * 1e3), (parts, ttft * 1e3, timeline)
 
 
 # -- the Trace of one request --------------------------------------------------------------------

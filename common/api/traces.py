@@ -7,10 +7,12 @@ ends. Each job's children are made once it has finished, from instants recorded 
 the event loop (handed to the engine, first token out, last) and on the engine thread
 (`RequestTimes`: first scheduled, the KV transfer), with those explicit start and end times.
 `admission` is the request's time before the engine: its body parsed, its prompt tokenized,
-on D the handshake with a P it had not met, the wait for a place under `--max-waiting`.
+the handshake with a peer it had not met (also a span of its own, `kv.handshake`), the wait
+for a place under `--max-waiting`.
 
     prefill.request                       decode.request
       admission  arrived → handed over      admission   arrived → handed over
+      kv.handshake  push: D met (once)      kv.handshake  pull: P met (once)
       queue      handed over → scheduled    queue       handed over → scheduled
       prefill    handed over → token        kv.read     READs posted → landed (pull)
       kv.write   WRITEs posted → settled    first_step  handed over → first token out
@@ -38,7 +40,10 @@ def start_request_trace(state: ServerState, request: Request) -> Trace | NoTrace
     }
     name = f"{state.cfg.role}.request"
     start_ns = getattr(request.state, "arrived_ns", None)
-    return start_trace(state.tracer, name, request.headers, start_ns, attributes)
+    trace = start_trace(state.tracer, name, request.headers, start_ns, attributes)
+    if (handshake := getattr(request.state, "handshake_ns", None)) is not None:
+        trace.record("kv.handshake", *handshake)  # kv_params.py: a peer met for the first time
+    return trace
 
 
 def record_job(
