@@ -242,11 +242,12 @@ class SlotQueue:
 
 
 class HeldResponse(Response):
-    """`inner`, sent as is; the slot is released once it has been sent or the client left."""
+    """`inner`, sent as is; `on_sent` runs once it has been sent or the client left (the
+    request's slot released, its trace ended)."""
 
-    def __init__(self, inner: Response, slot: Slot):
+    def __init__(self, inner: Response, on_sent: Callable[[], None]):
         self.inner = inner
-        self.slot = slot
+        self.on_sent = on_sent
         self.status_code = inner.status_code
         self.background = None
         self.raw_headers = inner.raw_headers
@@ -255,7 +256,7 @@ class HeldResponse(Response):
         try:
             await self.inner(scope, receive, send)
         finally:
-            self.slot.release()
+            self.on_sent()
 
 
 class Admission:

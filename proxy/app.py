@@ -30,6 +30,7 @@ from common.api.http import (
     read_body,
 )
 from common.api.protocol import ChatCompletionRequest, CompletionRequest
+from common.tracing import NO_TRACE, start_trace
 from proxy.admin import install_admin_routes
 from proxy.admission import HeldResponse, Slot
 from proxy.config import ProxyConfig
@@ -66,6 +67,8 @@ async def serve(proxy: Proxy, request: Request, path: str) -> Response:
     for failures), counted by status. An admitted request holds its slot until the response
     has been sent."""
     rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+    attributes = {"http.route": path, "pdserve.request_id": rid, "pdserve.mode": proxy.cfg.mode}
+    trace = start_trace(proxy.tracer, "proxy.request", request.headers, attributes=attributes)
     slot: Slot | None = None
     try:
         check_key(request, proxy.cfg.api_key)
@@ -73,8 +76,8 @@ async def serve(proxy: Proxy, request: Request, path: str) -> Response:
         rank = proxy.admission.rank_of(key, request.headers.get("x-priority"))
         proxy.admission.check_rate(key)
         raw = await read_body(request, proxy.cfg.max_body_bytes)
-        req = ProxyRequest.parse(path, raw, rid)
-        slot = await proxy.admission.enter(rank, lambda: _until_disconnect(request.receive))
+        req = ProxyRequest.parse(path, raw, rid, trace)
+        slot = await _admitted(proxy, request, rank, trace)
         response = await proxy.orchestrator.handle(req)
     except UpstreamAPIError as e:  # a worker's 4xx, as the worker wrote it
         response = Response(e.body, status_code=e.status_code, media_type="application/json")
@@ -86,11 +89,29 @@ async def serve(proxy: Proxy, request: Request, path: str) -> Response:
     except BaseException:
         if slot is not None:
             slot.release()
+        trace.end(**{"http.status_code": 499})
         raise
     response.headers["X-Request-Id"] = rid
     proxy.metrics.requests.labels(path, str(response.status_code)).inc()
     proxy.count_answered()
-    return response if slot is None else HeldResponse(response, slot)
+    if slot is None and trace is NO_TRACE:
+        return response
+
+    def sent(status: int = response.status_code) -> None:
+        if slot is not None:
+            slot.release()
+        trace.end(**{"http.status_code": status})
+
+    return HeldResponse(response, sent)
+
+
+async def _admitted(proxy: Proxy, request: Request, rank: int, trace) -> Slot | None:
+    """A slot once admission lets the request start (None: no limit); the wait is a span."""
+    span = trace.child("proxy.queue")
+    try:
+        return await proxy.admission.enter(rank, lambda: _until_disconnect(request.receive))
+    finally:
+        trace.end_span(span)
 
 
 async def _until_disconnect(receive) -> None:

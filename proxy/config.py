@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from common.credentials import check_secret, pick_secret
+from common.tracing import check_traces_endpoint
 from proxy.admission import RateLimit, parse_key_priorities, parse_rate_limits
 from proxy.discovery import (
     MAX_WORKERS,
@@ -86,6 +87,7 @@ class ProxyConfig:
     cached_on_decode_tokens: int = 64  # a D holding all of a prompt but fewer: D alone; 0: off
     workers: int = 0  # proxy processes on the port (proxy/processes.py); 0: one per core
     http_client: str = "lean"  # to the workers: proxy/transport.py, or httpx's own ("httpx")
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector of traces; None: no tracing
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -132,6 +134,7 @@ class ProxyConfig:
         self._check_admission()
         for name in SECRETS:
             check_secret(name, getattr(self, name))
+        check_traces_endpoint(self.otlp_traces_endpoint)
         if self.cached_on_decode_tokens < 0:
             raise ValueError(
                 f"cached_on_decode_tokens must be >= 0, got {self.cached_on_decode_tokens}"
@@ -293,6 +296,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--http-client",
         choices=HTTP_CLIENTS,
         help="the HTTP client to the workers: lean (default; proxy/transport.py) or httpx",
+    )
+    add(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="export a trace of each request over OTLP/HTTP to this collector, e.g. "
+        "http://localhost:4318 (docs/tracing.md; default: off, OpenTelemetry not loaded)",
     )
     add("--log-level", choices=["debug", "info", "warning", "error"])
     return p

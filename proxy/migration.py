@@ -408,6 +408,7 @@ class MigratingRelay:
     async def _migrate(self, up: Upstream, reason: str) -> None:
         """Each unfinished choice of a failed stream continues on another D; `Refused` if not."""
         logger.warning("decode worker %s failed a stream (%s)", up.worker.url, reason)
+        self.req.trace.end_calls_to(up.worker.url, error=reason)
         if up.worker not in self.failed:  # not for this request again; the health checks
             self.failed += (up.worker,)  # decide for the others
         moving = [i for i in up.choices if i in self.client.unfinished]
@@ -419,6 +420,7 @@ class MigratingRelay:
         if why is not None:
             raise Refused(*why)
         self.client.num_migrations += 1
+        self.req.trace.event("migration", reason=reason, **{"pdserve.from_url": up.worker.url})
         for index in moving:
             self._start(await self._resume(index))
             self.orch.metrics.migrations.labels(reason).inc()
@@ -457,11 +459,15 @@ class MigratingRelay:
                     "no_decode", "the decode worker failed mid-stream and no other can continue"
                 ) from e
             decode.num_outstanding += 1
+            trace = self.req.trace
+            span = trace.child("proxy.decode", "client", **{"server.address": decode.url})
             try:
                 resp = await open_stream(
-                    decode, self.req.path, content, headers, self.orch.stream_timeout
-                )
+                    decode, self.req.path, content, {**headers, **trace.headers(span)},
+                    self.orch.stream_timeout,
+                )  # fmt: skip
             except UpstreamError as e:
+                trace.end_span(span, error=e.kind)
                 decode.num_outstanding -= 1
                 self.orch.failed(e)
                 self.failed += (decode,)
@@ -500,7 +506,7 @@ class MigratingRelay:
         body = {"prompt": tokens}
         if "model" in self.req.body:
             body["model"] = self.req.body["model"]
-        prompt = ProxyRequest(COMPLETIONS_PATH, body, b"", self.req.request_id)
+        prompt = ProxyRequest(COMPLETIONS_PATH, body, b"", self.req.request_id, self.req.trace)
         try:  # NOTE: pulled even in push mode: a reservation would need D chosen first
             return await orch.prefill(prompt, None, tokens, push=False)
         except APIError as e:  # P refused it: D computes it

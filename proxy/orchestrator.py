@@ -86,14 +86,17 @@ class Orchestrator:
 
     async def handle(self, req: ProxyRequest) -> Response:
         start = time.perf_counter()
+        routing = req.trace.child("proxy.route")
         token_ids = await self.kv.prompt_tokens(req)  # None: no worker's KV events to route by
         decode = self.choose("decode", req, token_ids=token_ids)
         path, reason = self._plan(req, decode, token_ids)
+        req.trace.end_span(routing, **{"pdserve.path": path, "pdserve.reason": reason})
         prefilled = None
         if path == "disaggregated":
             prefilled = await self.prefill(req, decode, token_ids)
             if prefilled is None:
                 path, reason = "colocated", "prefill_failed"
+        req.trace.set(**{"pdserve.path": path, "pdserve.reason": reason})
         self.metrics.routed.labels(path, reason).inc()
         if not req.is_stream:
             return await self._decode_whole(req, decode, prefilled)
@@ -164,15 +167,18 @@ class Orchestrator:
             pushing = push and decode is not None and self.cfg.mode == "push"
             push_to = await self._reserve(req, decode) if pushing else None
             started = time.perf_counter()
+            span = req.trace.child("proxy.prefill", "client", **{"server.address": worker.url})
             try:
                 worker.num_outstanding += 1
                 headers = {"X-Request-Id": req.request_id, **self.internal}
+                headers.update(req.trace.headers(span))
                 body = req.prefill_body(push_to)
                 with self.kv.prefilling(worker, token_ids):
                     answer = await self.inflight.call(
                         worker, post_json(worker, req.path, body, headers, self._prefill_timeout)
                     )
             except UpstreamError as e:
+                req.trace.end_span(span, error=e.kind)
                 self.failed(e)
                 if push_to is not None:
                     self._release(decode, {"reservation_id": push_to["reservation_id"]})
@@ -181,6 +187,8 @@ class Orchestrator:
                 continue
             finally:
                 worker.num_outstanding -= 1
+                req.trace.end_span(span)
+            req.trace.set(**{"pdserve.prefill_url": worker.url})
             self.metrics.prefill.observe(time.perf_counter() - started)
             self.metrics.count_prefill_usage(answer)
             params = answer.get("kv_transfer_params")
@@ -192,16 +200,20 @@ class Orchestrator:
 
     async def _reserve(self, req: ProxyRequest, decode: Worker) -> dict | None:
         """Push: blocks on D for the prompt; None (pull instead) when D cannot spare them."""
+        span = req.trace.child("proxy.reserve", "client", **{"server.address": decode.url})
         try:
             return await post_json(
                 decode, "/internal/kv/reserve", req.reserve_body(), self.internal,
                 self._internal_timeout,
             )  # fmt: skip
         except UpstreamError as e:
+            req.trace.end_span(span, error=e.kind)
             if e.is_client_error:
                 raise UpstreamAPIError(e) from e
             logger.warning("reservation failed, pulling instead: %s", e.message)
             return None
+        finally:
+            req.trace.end_span(span)
 
     # -- decode ----------------------------------------------------------------------------------
     def _decode_content(self, req: ProxyRequest, prefilled: Prefilled | None, first_sent: bool):
@@ -297,12 +309,18 @@ class Orchestrator:
         while True:
             tried += (decode,)
             decode.num_outstanding += 1
+            # NOTE: open until D's answer ends, which is the request's end (the trace ends it)
+            span = req.trace.child("proxy.decode", "client", **{"server.address": decode.url})
+            req.trace.set(**{"pdserve.decode_url": decode.url})
             try:
                 headers = {"X-Request-Id": req.request_id, **self.internal}
+                headers.update(req.trace.headers(span))
                 return await open_stream(
                     decode, req.path, content, headers, timeout or self.stream_timeout
                 ), decode
             except BaseException as e:  # the client leaving (cancelled) included
+                why = e.kind if isinstance(e, UpstreamError) else type(e).__name__
+                req.trace.end_span(span, error=why)
                 decode.num_outstanding -= 1
                 if not isinstance(e, UpstreamError):
                     raise

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from common.api.errors import InvalidRequestError
 from common.api.http import parse_json_object
+from common.tracing import NO_TRACE, NoTrace, Trace
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -25,16 +26,19 @@ class ProxyRequest:
     body: dict
     raw: bytes  # the body as received, forwarded as is where nothing changes
     request_id: str
+    trace: Trace | NoTrace = NO_TRACE  # its spans (common/tracing): the calls made for it
 
     @classmethod
-    def parse(cls, path: str, raw: bytes, request_id: str) -> ProxyRequest:
+    def parse(
+        cls, path: str, raw: bytes, request_id: str, trace: Trace | NoTrace = NO_TRACE
+    ) -> ProxyRequest:
         body = parse_json_object(raw)
         for name in ("kv_transfer_params", "resume"):
             if body.get(name) is not None:
                 raise InvalidRequestError(
                     f"{name} are set by the proxy, not by clients", param=name
                 )
-        return cls(path, body, raw, request_id)
+        return cls(path, body, raw, request_id, trace)
 
     @property
     def is_chat(self) -> bool:

@@ -18,6 +18,7 @@ from fastapi import Request
 
 from common.api.errors import AuthenticationError
 from common.credentials import is_same_secret
+from common.tracing import setup_tracing
 from proxy.admission import Admission
 from proxy.config import ProxyConfig
 from proxy.discovery import DnsDiscovery, make_resolver
@@ -63,6 +64,7 @@ class Proxy:
         self.removed: list[Worker] = []  # out of the pools; their clients close once idle
         self._closers: set[asyncio.Task] = set()
         self.started_at = int(time.time())
+        self.tracer = None  # common.tracing.otel.OtelTracer, set up by start() when asked for
 
     def all_workers(self) -> list[Worker]:
         return [w for pool in self.pools.values() for w in pool.workers]
@@ -115,6 +117,8 @@ class Proxy:
         return bool(self.pools["decode"].routable()) and (has_prefill or not needs_prefill)
 
     async def start(self) -> None:
+        # NOTE: here, in the process that serves (a batch exporter's thread does not fork)
+        self.tracer = self.tracer or setup_tracing(self.cfg.otlp_traces_endpoint, "proxy")
         for role in ROLES:
             for url in self.cfg.static_urls(role):
                 self.add_worker(role, url)
@@ -160,6 +164,8 @@ class Proxy:
             await worker.client.aclose()
         if self.siblings is not None:
             await self.siblings.aclose()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)  # the spans still batched are sent
 
 
 async def _until_idle(worker: Worker) -> None:

@@ -30,6 +30,7 @@ from common.cpu import available_cores, format_cpu_list
 from common.engine.async_engine import EngineDeadError
 from common.engine.engine import LLMEngine
 from common.native.choice import summary as kernel_paths
+from common.tracing import setup_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ def build_app(cfg: ServerConfig, engine_factory: Callable[[], LLMEngine]) -> Fas
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        state.tracer = state.tracer or setup_tracing(cfg.otlp_traces_endpoint, cfg.role)
         loading = asyncio.create_task(state.load())
         yield
         state.is_draining = True
@@ -46,6 +48,8 @@ def build_app(cfg: ServerConfig, engine_factory: Callable[[], LLMEngine]) -> Fas
         if state.engine is not None:
             await state.engine.stop()
         state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        if state.tracer is not None:
+            await asyncio.to_thread(state.tracer.shutdown)  # the spans still batched are sent
 
     app = FastAPI(title=f"pdserve {cfg.role} worker", lifespan=lifespan)
     app.state.server = state

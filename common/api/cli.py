@@ -275,6 +275,13 @@ def _add_server_args(p: argparse.ArgumentParser, role: str) -> None:
         "for a Llama 3 chat template, else hermes)",
     )
     add(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="export a trace of each request over OTLP/HTTP to this collector, e.g. "
+        "http://localhost:4318 (docs/tracing.md; default: off, OpenTelemetry not loaded)",
+    )
+    add(
         "--log-level",
         default=default(ServerConfig, "log_level"),
         choices=["debug", "info", "warning", "error"],
@@ -482,6 +489,7 @@ def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, 
             drain_migrate=a.drain_migrate,
             tool_call_parser=a.tool_call_parser,
             internal_token=_internal_token(a),
+            otlp_traces_endpoint=a.otlp_traces_endpoint,
             log_level=a.log_level,
             cpu=CpuBudget(cores=a.cpu_cores, num_threads=a.cpu_threads),
         )

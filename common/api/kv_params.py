@@ -11,6 +11,7 @@ recompute`, else a 503; a decode worker that cannot be pushed into is a 503.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -42,7 +43,7 @@ async def resolve_kv_params(state: ServerState, raw: dict | None, request: Reque
     check_internal_token(state, request)
     if wants_remote_decode(raw) and raw.get("push_to"):
         target = _parse(push_target, raw)
-        why = await _reach(_peers(state), target.engine_id, target.host, target.port)
+        why = await _reach(_peers(state), target.engine_id, target.host, target.port, request)
         if why is not None:
             raise UnavailableError(f"cannot push KV to the decode worker: {why}")
         return raw
@@ -52,7 +53,8 @@ async def resolve_kv_params(state: ServerState, raw: dict | None, request: Reque
     peers = _peers(state)
     if remote.push_reservation_id:  # pushed: nothing to read from P
         return raw
-    why = await _reach(peers, remote.remote_engine_id, remote.remote_host, remote.remote_port)
+    where = (remote.remote_engine_id, remote.remote_host, remote.remote_port)
+    why = await _reach(peers, *where, request)
     return raw if why is None else _unreachable(state, remote, why)
 
 
@@ -71,10 +73,15 @@ def _peers(state: ServerState) -> Peers:
     return state.peers
 
 
-async def _reach(peers: Peers, engine_id: str, host: str, port: int) -> str | None:
-    """Why the peer cannot be reached, or None once it is known; 400 if incompatible."""
+async def _reach(
+    peers: Peers, engine_id: str, host: str, port: int, request: Request
+) -> str | None:
+    """Why the peer cannot be reached, or None once it is known; 400 if incompatible. When the
+    request waited for a handshake, when it did is `request.state.handshake_ns` (its trace)."""
+    started = time.time_ns()
     try:
-        await peers.ensure(engine_id, host, port)
+        if await peers.ensure(engine_id, host, port):
+            request.state.handshake_ns = (started, time.time_ns())
     except PeerIncompatible as e:
         raise InvalidRequestError(str(e), param="kv_transfer_params") from e
     except PeerUnreachable as e:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from common.api.tools import PARSERS
 from common.cpu import CpuBudget
 from common.credentials import check_secret
+from common.tracing import check_traces_endpoint
 
 TOKEN_HEADER = "X-Internal-Token"  # carries internal_token between a cluster's workers
 
@@ -25,6 +26,7 @@ class ServerConfig:
     drain_migrate: bool = False  # SIGTERM ends in-flight generations at once, for the proxy
     internal_token: str | None = None  # required by the internal routes when set
     tool_call_parser: str | None = None  # common/api/tools.py's PARSERS; None: from the template
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector of traces; None: no tracing
     log_level: str = "info"
     cpu: CpuBudget = field(default_factory=CpuBudget)  # applied at startup (common/cpu.py)
 
@@ -40,6 +42,7 @@ class ServerConfig:
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         check_secret("internal_token", self.internal_token)
+        check_traces_endpoint(self.otlp_traces_endpoint)
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             names = ", ".join(sorted(PARSERS))
             raise ValueError(f"--tool-call-parser must be one of {names}")

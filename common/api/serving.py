@@ -27,11 +27,13 @@ from common.api.errors import (
 from common.api.internal import check_internal_token
 from common.api.protocol import RESUMED_HEADER, ResumeParams
 from common.api.state import ServerState
+from common.api.traces import record_job, start_request_trace
 from common.engine.async_engine import AsyncEngine, EngineDeadError
 from common.engine.engine import LLMEngine
 from common.engine.output import RequestOutput, decoded_text
 from common.engine.request import Resume
 from common.engine.sampling_params import SamplingParams
+from common.tracing import NO_TRACE, NoTrace, Trace
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,9 @@ class Job:
     last_token_at: float | None = None
     num_output_tokens: int = 0
     admission: Admission | None = None
+    trace: Trace | NoTrace = NO_TRACE  # the HTTP request's, shared by its jobs
+    added_ns: int = 0  # handed to the engine (time.time_ns(), as the trace's instants)
+    first_token_ns: int | None = None
 
 
 class Admission:
@@ -140,8 +145,10 @@ def admit(state: ServerState, engine: AsyncEngine, jobs: list[Job], request: Req
             f"(limit {state.cfg.max_waiting}); retry later",
             headers={"Retry-After": "1"},
         )
+    trace = start_request_trace(state, request)
     for job in jobs:
         job.admission = Admission(state)
+        job.trace = trace
     state.arrived(request)
 
 
@@ -153,11 +160,24 @@ def new_request_id(request: Request) -> str:
 async def run_jobs(
     state: ServerState, engine: AsyncEngine, jobs: list[Job]
 ) -> AsyncIterator[tuple[Job, RequestOutput]]:
-    if len(jobs) == 1:
-        async with aclosing(_one(state, engine, jobs[0])) as outputs:
+    """Every job's outputs, as they come; the request's trace ends with the last."""
+    try:
+        if len(jobs) == 1:
+            async with aclosing(_one(state, engine, jobs[0])) as outputs:
+                async for item in outputs:
+                    yield item
+            return
+        async with aclosing(_merged(state, engine, jobs)) as outputs:
             async for item in outputs:
                 yield item
-        return
+    finally:
+        jobs[0].trace.end()
+
+
+async def _merged(
+    state: ServerState, engine: AsyncEngine, jobs: list[Job]
+) -> AsyncIterator[tuple[Job, RequestOutput]]:
+    """Several jobs' outputs in one stream, as each comes."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(job: Job) -> None:
@@ -193,12 +213,14 @@ async def _one(
     m = state.metrics
     if job.admission is not None:  # from here on the engine counts it (no await in between)
         job.admission.release()
+    job.added_ns = time.time_ns()
     outputs = engine.generate(
         job.request_id, job.prompt_token_ids, job.params, job.kv_transfer_params, job.resume
     )
     async with aclosing(outputs) as gen:
         async for out in gen:
             if out.error:
+                job.trace.set(error=out.error)
                 fault = InvalidRequestError if out.error_is_request_fault else ServerError
                 raise fault(out.error)
             now = time.perf_counter()
@@ -206,6 +228,7 @@ async def _one(
             if new:
                 if job.last_token_at is None:
                     m.ttft.observe(now - job.arrival)
+                    job.first_token_ns = time.time_ns()
                 else:
                     m.itl.observe(now - job.last_token_at)
                 job.last_token_at = now
@@ -215,6 +238,10 @@ async def _one(
                 m.e2e.observe(now - job.arrival)
                 m.prompt_tokens.inc(len(job.prompt_token_ids))
                 m.generation_tokens.inc(job.num_output_tokens)
+                record_job(
+                    job.trace, state.cfg.role, job.added_ns, job.first_token_ns, out.times,
+                    out.kv_transfer_params,
+                )  # fmt: skip
             yield job, out
 
 

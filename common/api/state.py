@@ -62,6 +62,7 @@ class ServerState:
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once it runs
         # NOTE: not the engine thread, which owns torch; these threads never run a torch op
         self.tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        self.tracer = None  # common.tracing.otel.OtelTracer when --otlp-traces-endpoint is set
 
     @property
     def is_ready(self) -> bool:
@@ -147,6 +148,8 @@ class ServerState:
         template, tokenizing) until `arrived` (its jobs admitted) or the route ends."""
         self.num_arriving += 1
         request.state.is_arriving = True
+        if self.tracer is not None:
+            request.state.arrived_ns = time.time_ns()  # where its trace's root starts
         try:
             yield
         finally:

@@ -317,6 +317,7 @@ class LLMEngine:
             out.error = failed and failed.error
             out.error_is_request_fault = bool(failed and failed.error_is_request_fault)
             if out.finished:
+                out.times = children[0].times
                 self._forget(parent_id)
         return list(by_parent.values())
 

@@ -13,6 +13,7 @@ from common.engine.request import Request
 from common.engine.sampler import SampledToken
 from common.kv_transfer.params import wants_remote_decode
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
+from common.tracing import RequestTimes
 
 
 @dataclass
@@ -39,6 +40,7 @@ class RequestOutput:
     kv_transfer_params: dict | None = None  # a prefill worker's answer: where the KV is held
     error: str | None = None  # why a request finished with finish_reason "error"
     error_is_request_fault: bool = False  # the error is the request's (a 400), not the server's
+    times: RequestTimes | None = None  # a finished request's instants, for its trace
 
 
 def decoded_text(

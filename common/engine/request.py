@@ -13,6 +13,7 @@ from common.engine.sampling_params import SamplingParams
 from common.engine.structured import Grammar
 from common.kv_cache.block_pool import Block
 from common.kv_transfer.params import RemotePrefill
+from common.tracing import RequestTimes
 
 
 class RequestStatus(enum.Enum):
@@ -80,6 +81,7 @@ class Request:
         self.error: str | None = None
         self.error_is_request_fault = False  # the request's own (a 400), not the server's
         self.grammar = grammar  # structured output: advanced over every appended token
+        self.times = RequestTimes()  # for its trace (common/tracing)
 
     @property
     def all_token_ids(self) -> list[int]:

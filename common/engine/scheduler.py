@@ -10,6 +10,7 @@ of the queue to be recomputed. Then waiting requests are admitted while budget, 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -148,6 +149,7 @@ class Scheduler:
             self.waiting.popleft()
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = num_cached
+                req.times.scheduled_ns = req.times.scheduled_ns or time.time_ns()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append((req, num_new))

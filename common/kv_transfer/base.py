@@ -59,6 +59,7 @@ import torch
 
 from common.kv_transfer.params import KVLoss, RemotePrefill
 from common.kv_transfer.transfers import DescriptorHistogram
+from common.tracing import RequestTimes
 
 if TYPE_CHECKING:
     from common.attention.context import ForwardContext
@@ -80,6 +81,7 @@ class Request(Protocol):
     output_token_ids: list[int]
     num_computed_tokens: int
     num_admitted_tokens: int  # D: the tokens a prefill worker computed (prompt, resumed outputs)
+    times: RequestTimes  # the connector records when its transfer ran (`kv_transfer_ns`)
 
     @property
     def num_tokens(self) -> int: ...

@@ -63,11 +63,13 @@ class Peers:
         self.pending: dict[tuple[str, int], asyncio.Future] = {}
         self.engine_at: dict[tuple[str, int], str] = {}
 
-    async def ensure(self, engine_id: str, host: str, port: int) -> None:
+    async def ensure(self, engine_id: str, host: str, port: int) -> bool:
         """The peer `engine_id` at host:port is known once this returns (a handshake unless it
-        was already)."""
+        was already); True when this call waited for a handshake."""
         key = (host, port)
+        waited = False
         while not self.connector.has_peer(engine_id):
+            waited = True
             pending = self.pending.get(key)
             if pending is None:
                 pending = asyncio.ensure_future(self._handshake(engine_id, host, port))
@@ -76,6 +78,7 @@ class Peers:
             await asyncio.shield(pending)
             if self.engine_at.get(key) != engine_id:
                 raise PeerUnreachable(f"engine {engine_id} is gone ({host}:{port} serves another)")
+        return waited
 
     async def _handshake(self, engine_id: str, host: str, port: int) -> None:
         url = f"http://{host}:{port}/internal/kv/handshake"

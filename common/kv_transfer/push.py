@@ -26,6 +26,7 @@ from common.kv_transfer.base import Request
 from common.kv_transfer.holds import TransferGroup, TransferHolds
 from common.kv_transfer.params import PushTarget, push_target
 from common.kv_transfer.transfers import DescriptorHistogram
+from common.tracing import RequestTimes
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class _Push:
     is_finished: bool = False  # the request is done; its output waits for the writes
     started_at: float = 0.0
     finished_at: float = 0.0
+    times: RequestTimes | None = None  # the request's: `kv_transfer_ns` set once it settled
+    started_ns: int = 0
 
 
 @dataclass
@@ -83,7 +86,7 @@ class PushTable:
         target = push_target(req.kv_transfer_params)
         if target is None or req.num_output_tokens > 0:
             return None
-        push = self._pushes.setdefault(req.request_id, _Push(target))
+        push = self._pushes.setdefault(req.request_id, _Push(target, times=req.times))
         end = req.num_computed_tokens + num_new
         is_final = end == req.num_tokens
         first = push.num_blocks_sent
@@ -106,6 +109,7 @@ class PushTable:
         """One layer's WRITE of a chunk, posted."""
         push = self._pushes[plan.request_id]
         push.started_at = push.started_at or time.perf_counter()
+        push.started_ns = push.started_ns or time.time_ns()
         plan.group.futures.append(future)
         push.writes.append(future)
 
@@ -143,6 +147,8 @@ class PushTable:
         self.stats.seconds += done - (push.started_at or done)
         self.stats.seconds_exposed += done - push.finished_at
         if not errors:
+            if push.times is not None and push.started_ns:
+                push.times.kv_transfer_ns = (push.started_ns, time.time_ns())
             return None
         self.stats.num_failures += 1
         why = f"{len(errors)} of {len(push.writes)} KV writes failed: {errors[0]!r}"

@@ -145,6 +145,7 @@ class NixlScheduler:
             request.blocks[first:last],
             remote.remote_block_ids[first:last],
             first_block=first,
+            times=request.times,
         )
         self._plans[request.request_id] = plan
         peer = self.worker.peer_layout(remote.remote_engine_id)

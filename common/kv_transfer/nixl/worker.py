@@ -25,6 +25,7 @@ from common.kv_transfer.push import PushPlan, PushTable
 from common.kv_transfer.reservations import push_notif
 from common.kv_transfer.staging import Staged, StagingPool
 from common.kv_transfer.transfers import TransferStats, fenced, kv_written_event, submit
+from common.tracing import RequestTimes
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,9 @@ class LoadPlan:
     started_at: float = 0.0
     group: TransferGroup | None = None
     staged: Staged | None = None  # read into a staging buffer first (staging.py)
+    times: RequestTimes | None = None  # the request's: `kv_transfer_ns` set once it landed
+    started_ns: int = 0
+    landed_ns: int | None = None
 
     @property
     def local_blocks(self) -> list[int]:
@@ -160,6 +164,7 @@ class NixlWorker:
         deadline = time.monotonic() + self.cfg.load_timeout
         for plan in meta.loads:
             plan.started_at = time.perf_counter()
+            plan.started_ns = time.time_ns()
             if plan.failed or not plan.blocks:  # refused, or a full local prefix hit
                 continue
             plan.group = self.holds.hold(plan.blocks)
@@ -193,6 +198,7 @@ class NixlWorker:
             except Exception as e:  # noqa: BLE001 — any failed read fails the request
                 self._fail_load(plan, "read_failed", f"KV read failed: {e!r}")
                 continue
+            plan.landed_ns = plan.landed_ns or time.time_ns()
             if plan.remote.read_by is not None and time.time() > plan.remote.read_by:
                 # P may have freed and reused the blocks while this read was in flight
                 why = "the prefill worker's lease ran out before the KV landed"
@@ -236,6 +242,8 @@ class NixlWorker:
             self.stats.seconds_loading += time.perf_counter() - plan.started_at
             if not plan.failed:
                 self.stats.loaded_requests["pull"] += 1
+                if plan.times is not None and plan.landed_ns is not None:
+                    plan.times.kv_transfer_ns = (plan.started_ns, plan.landed_ns)
                 for future in plan.group.futures if plan.group else []:
                     result = future.result()
                     self.stats.bytes_loaded += result.num_bytes
