@@ -39,7 +39,7 @@ from common.api.protocol import RESUMED_HEADER
 from proxy.request import COMPLETIONS_PATH, ProxyRequest
 from proxy.sse import DONE, error_event, event
 from proxy.upstream import UpstreamError, error_message, open_stream
-from proxy.workers import Worker
+from proxy.workers import FailedWorkers, Worker
 
 if TYPE_CHECKING:
     from proxy.orchestrator import Orchestrator, Prefilled
@@ -255,7 +255,7 @@ class MigratingRelay:
         self.req = req
         self.client = client
         self.limit = orch.cfg.migration_limit
-        self.failed: tuple[Worker, ...] = ()  # D's that failed this request
+        self.failed = FailedWorkers()  # D's that failed this request
         self.active: set[Upstream] = set()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.error: bytes | None = None  # the last error event a D sent, for a refusal
@@ -325,7 +325,7 @@ class MigratingRelay:
 
     def can_move(self, up: Upstream) -> bool:
         """Another D could take this stream's choices now (`_refusal` aside from the D)."""
-        exclude = (*self.failed, up.worker)
+        exclude = (*self.failed.excluded, up.worker)
         return self._refusal() is None and bool(self.orch.pools["decode"].routable(exclude))
 
     async def _pump(self, up: Upstream) -> None:
@@ -409,8 +409,8 @@ class MigratingRelay:
         """Each unfinished choice of a failed stream continues on another D; `Refused` if not."""
         logger.warning("decode worker %s failed a stream (%s)", up.worker.url, reason)
         self.req.trace.end_calls_to(up.worker.url, error=reason)
-        if up.worker not in self.failed:  # not for this request again; the health checks
-            self.failed += (up.worker,)  # decide for the others
+        self.failed.add(up.worker)  # not for this request again (until it is back): the
+        # health checks decide for the others
         moving = [i for i in up.choices if i in self.client.unfinished]
         if reason != "error_event" and reason != "drain":
             self.error = None  # this failure has no event of its own
@@ -452,7 +452,7 @@ class MigratingRelay:
         headers = {"X-Request-Id": self.req.request_id, **self.orch.internal}
         while True:
             try:
-                decode = self.orch.choose("decode", self.req, self.failed)
+                decode = await self.orch.choose_soon("decode", self.req, self.failed.excluded)
             except UnavailableError as e:
                 self.orch.give_back(prefilled)
                 raise Refused(
@@ -470,7 +470,7 @@ class MigratingRelay:
                 trace.end_span(span, error=e.kind)
                 decode.num_outstanding -= 1
                 self.orch.failed(e)
-                self.failed += (decode,)
+                self.failed.add(decode)
                 if e.is_client_error:
                     self.orch.give_back(prefilled)
                     message = error_message(e.body) or e.message

@@ -42,7 +42,7 @@ from proxy.policies import create_policy
 from proxy.request import ProxyRequest
 from proxy.sse import EventStreamResponse, error_event, first_token_events
 from proxy.upstream import UpstreamError, WorkerEjected, error_message, open_stream, post_json
-from proxy.workers import Worker, WorkerPool
+from proxy.workers import FailedWorkers, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +131,22 @@ class Orchestrator:
         if token_ids is not None and self.kv.is_cached_on(decode, token_ids):
             return "colocated", "cached_on_decode"
         return "disaggregated", self.cfg.mode
+
+    async def choose_soon(
+        self, role: str, req: ProxyRequest, exclude: tuple[Worker, ...] = ()
+    ) -> Worker:
+        """A worker for a request that moves (its D failed): when none is routable, one may be
+        about to come back (the last of a rolling restart), so wait the time the health checks
+        take to readmit one before UnavailableError."""
+        health = self.cfg.health
+        wait_until = time.monotonic() + health.interval * (health.success_threshold + 1)
+        while True:
+            try:
+                return self.choose(role, req, exclude)
+            except UnavailableError:
+                if time.monotonic() >= wait_until:
+                    raise
+                await asyncio.sleep(0.1)
 
     def choose(
         self,
@@ -234,10 +250,10 @@ class Orchestrator:
         ejection or a drain with migration) is replaced by another, which runs the request
         again from its prompt alone, up to `--migration-limit` times."""
         content = self._decode_content(req, prefilled, first_sent=False)
-        failed: tuple[Worker, ...] = ()
+        failed = FailedWorkers()
         while True:
-            limit_left = len(failed) < self.cfg.migration_limit
-            exclude = (*failed, decode)
+            limit_left = failed.num_failures < self.cfg.migration_limit
+            exclude = (*failed.excluded, decode)
 
             def movable(limit_left=limit_left, exclude=exclude) -> bool:
                 return limit_left and bool(self.pools["decode"].routable(exclude))
@@ -250,14 +266,18 @@ class Orchestrator:
                 self.give_back(prefilled)
                 if isinstance(e, WorkerEjected):
                     self.failed(e)
-                failed += (e.worker,)
+                failed.add(e.worker)
                 reason = _migration_reason(e)
-                refusal = self._whole_refusal(e, len(failed))
+                refusal = self._whole_refusal(e, failed.num_failures)
+                if refusal is None:
+                    try:
+                        decode = await self.choose_soon("decode", req, failed.excluded)
+                    except UnavailableError:
+                        refusal = "no_decode"
                 if refusal is not None:
                     if reason is not None:
                         self.metrics.migrations_refused.labels(refusal).inc()
                     return upstream_error_response(e)
-                decode = self.choose("decode", req, failed)
                 self.metrics.migrations.labels(reason).inc()
                 self.metrics.migration_recomputed.inc(req.estimated_tokens())
                 logger.warning(
@@ -271,8 +291,6 @@ class Orchestrator:
             return "not_a_failure"  # the request's own fault, or a worker never reached
         if num_failed > self.cfg.migration_limit:
             return "limit"
-        if not self.pools["decode"].routable(exclude=(e.worker,)):
-            return "no_decode"
         return None
 
     async def _answer_whole(

@@ -117,6 +117,23 @@ class WorkerPool:
         return sum(w.is_healthy for w in self.workers)
 
 
+class FailedWorkers:
+    """The workers that failed one request, each kept out of its way until it comes back: a
+    health flip after its failure (a restarted worker is a new one)."""
+
+    def __init__(self) -> None:
+        self._at: dict[Worker, float] = {}
+        self.num_failures = 0
+
+    def add(self, worker: Worker) -> None:
+        self._at[worker] = time.monotonic()
+        self.num_failures += 1
+
+    @property
+    def excluded(self) -> tuple[Worker, ...]:
+        return tuple(w for w, at in self._at.items() if w.changed_at <= at)
+
+
 def normalize_url(url: str) -> str:
     return url.rstrip("/")
 

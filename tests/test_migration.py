@@ -328,7 +328,9 @@ def test_a_stream_that_cannot_move_ends_with_an_error_event(start_server, worker
 def test_rolling_restart_of_every_decode_worker_under_load(proxy, workers):
     """Each D in turn SIGTERM'd (`--drain-migrate`) and restarted while clients keep sending
     streamed and whole requests: each D exits 0 within seconds (not after the drain timeout:
-    its requests moved), not one request fails, every answer equals its reference."""
+    its requests moved), not one request fails, every answer equals its reference. The next D
+    goes as soon as the last one is up, before the proxy's health checks have it back: what
+    moves off it waits for the restarted one, which it had failed on before."""
     p, ds = workers
     cases = [(path, {**body, "max_tokens": 60}) for path, body in CASES[:4]]
     refs = references(proxy.url, cases)
@@ -360,7 +362,9 @@ def test_rolling_restart_of_every_decode_worker_under_load(proxy, workers):
         victim.proc.send_signal(signal.SIGTERM)
         assert victim.proc.wait(15) == 0
         assert time.monotonic() - started < 10
-        restart(proxy, victim)
+        victim.restart()
+        victim.wait_ready()  # up, not yet back in the proxy's rotation
+    assert all(wait_until(lambda d=d: readmitted(proxy, d), timeout=20) for d in ds)
     time.sleep(1.0)
     done.set()
     for t in clients:
