@@ -53,6 +53,8 @@ class Job:
     resume: Resume | None = None  # a choice another worker started
     num_cached_tokens: int = 0
     arrival: float = field(default_factory=time.perf_counter)
+    handed_at: float | None = None  # to the engine
+    first_token_at: float | None = None
     last_token_at: float | None = None
     num_output_tokens: int = 0
     admission: Admission | None = None
@@ -193,6 +195,7 @@ async def _one(
     m = state.metrics
     if job.admission is not None:  # from here on the engine counts it (no await in between)
         job.admission.release()
+    job.handed_at = time.perf_counter()
     outputs = engine.generate(
         job.request_id, job.prompt_token_ids, job.params, job.kv_transfer_params, job.resume
     )
@@ -206,6 +209,8 @@ async def _one(
             if new:
                 if job.last_token_at is None:
                     m.ttft.observe(now - job.arrival)
+                    m.first_step.observe(now - job.handed_at)
+                    job.first_token_at = now
                 else:
                     m.itl.observe(now - job.last_token_at)
                 job.last_token_at = now
@@ -213,6 +218,9 @@ async def _one(
             job.num_cached_tokens = out.num_cached_tokens
             if out.finished:
                 m.e2e.observe(now - job.arrival)
+                if job.first_token_at is not None and job.num_output_tokens > 1:
+                    tpot = (now - job.first_token_at) / (job.num_output_tokens - 1)
+                    m.tpot.observe(tpot)
                 m.prompt_tokens.inc(len(job.prompt_token_ids))
                 m.generation_tokens.inc(job.num_output_tokens)
             yield job, out
