@@ -40,20 +40,30 @@ def job_name(pool: str) -> str:
 
 
 def scrape_config(targets: dict[str, list[str]], interval_s: float) -> dict:
-    """Prometheus's config: a job per pool (`targets`: pool → its processes' base URLs)."""
+    """Prometheus's config: a job per pool (`targets`: pool → its processes' base URLs, or
+    `dns://NAME:PORT` for every address NAME resolves to, as compose's scaled services)."""
     interval = f"{interval_s:g}s"
-    jobs = [
-        {
-            "job_name": job_name(pool),
-            "metrics_path": "/metrics",
-            "scrape_interval": interval,
-            "scrape_timeout": interval,
-            "static_configs": [{"targets": [urlsplit(url).netloc for url in urls]}],
-        }
-        for pool, urls in targets.items()
-        if urls
-    ]
+    jobs = [_job(pool, urls, interval) for pool, urls in targets.items() if urls]
     return {"global": {"scrape_interval": interval}, "scrape_configs": jobs}
+
+
+def _job(pool: str, urls: list[str], interval: str) -> dict:
+    job = {
+        "job_name": job_name(pool),
+        "metrics_path": "/metrics",
+        "scrape_interval": interval,
+        "scrape_timeout": interval,
+    }
+    static = [urlsplit(url).netloc for url in urls if not url.startswith("dns://")]
+    names = [urlsplit(url) for url in urls if url.startswith("dns://")]
+    if static:
+        job["static_configs"] = [{"targets": static}]
+    if names:  # one A lookup per name and port: every replica behind it
+        job["dns_sd_configs"] = [
+            {"names": [n.hostname], "type": "A", "port": n.port, "refresh_interval": interval}
+            for n in names
+        ]
+    return job
 
 
 def write_config(folder: Path, targets: dict[str, list[str]], interval_s: float) -> Path:
