@@ -34,7 +34,7 @@ SCRAPE_S = 1.0
 WINDOW = "2m"  # what $__rate_interval stands for here: the whole module's run
 NUM_PROMPTS = 8
 WORKER_ARGS = ["--num-blocks", "256", "--max-model-len", "256"]
-COMMITTED = ROOT / "deploy" / "observability" / "grafana" / "pdserve.json"
+COMMITTED = dashboard.COPIES[0]
 NAME = re.compile(r"\b(?:pdserve_[a-z0-9_]+|up)\b")
 
 
@@ -179,9 +179,9 @@ def queries() -> list[tuple[str, dashboard.Query]]:
 
 
 def test_the_committed_dashboard_is_the_generated_one():
-    assert COMMITTED.read_text() == dashboard.render(), (
-        "regenerate: python -m deploy.observability.dashboard --out " + str(COMMITTED)
-    )
+    for path in dashboard.COPIES:
+        message = f"{path}: regenerate: python -m deploy.observability.dashboard --write-all"
+        assert path.read_text() == dashboard.render(), message
     panels = json.loads(COMMITTED.read_text())["panels"]
     exprs = [t["expr"] for panel in panels for t in panel.get("targets", [])]
     assert exprs == [q.expr for _, q in queries()]

@@ -2,6 +2,7 @@
 
     python -m deploy.observability.dashboard > deploy/observability/grafana/pdserve.json
     python -m deploy.observability.dashboard --out deploy/observability/grafana/pdserve.json
+    python -m deploy.observability.dashboard --write-all   # every committed copy (COPIES)
 
 `ROWS` is the whole dashboard as data: rows of panels, each a title, a unit, what it shows and
 its PromQL queries over the `pdserve_*` metrics every process exports on /metrics
@@ -26,7 +27,15 @@ from pathlib import Path
 from grafanalib._gen import DashboardEncoder
 from grafanalib.core import Dashboard, GridPos, RowPanel, Target, Template, Templating, TimeSeries
 
+ROOT = Path(__file__).resolve().parents[2]
+# the committed copies: compose's Grafana mounts the first; the Kubernetes overlay's ConfigMap is
+# made from the second (kustomize reads no file outside the overlay's folder)
+COPIES = (
+    ROOT / "deploy" / "observability" / "grafana" / "pdserve.json",
+    ROOT / "deploy" / "kubernetes" / "overlays" / "monitoring" / "pdserve.json",
+)
 UID = "pdserve"
+JOB_REGEX = "^pdserve"  # the scrape jobs $job offers: compose's, deploy.local's, the Services'
 SELECTION = 'job=~"$job",instance=~"$instance"'
 WINDOW = "$__rate_interval"
 QUANTILES = (0.5, 0.9, 0.99)
@@ -404,7 +413,7 @@ def variables() -> Templating:
                 name="job",
                 label="pool",
                 query="label_values(up, job)",
-                regex="/^pdserve/",
+                regex=f"/{JOB_REGEX}/",
                 **common,
             ),
             Template(
@@ -462,12 +471,13 @@ def render() -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m deploy.observability.dashboard")
     p.add_argument("--out", type=Path, help="write the JSON here (default: stdout)")
+    p.add_argument("--write-all", action="store_true", help="write every committed copy")
     a = p.parse_args(argv)
     text = render()
-    if a.out is None:
+    for path in COPIES if a.write_all else [a.out] if a.out else []:
+        path.write_text(text)
+    if not a.write_all and a.out is None:
         sys.stdout.write(text)
-    else:
-        a.out.write_text(text)
     return 0
 
 
