@@ -168,10 +168,7 @@ def scraped(start_server, tiny_model, tmp_path_factory):
 
 
 def instant(expr: str) -> str:
-    """A panel's query as Grafana would send it with every pool and process selected."""
-    for variable, value in (("$job", ".*"), ("$instance", ".*"), ("$__rate_interval", WINDOW)):
-        expr = expr.replace(variable, value)
-    return expr
+    return dashboard.everything(expr, WINDOW)
 
 
 def queries() -> list[tuple[str, dashboard.Query]]:
@@ -188,6 +185,15 @@ def test_the_committed_dashboard_is_the_generated_one():
     variables = {v["name"] for v in json.loads(COMMITTED.read_text())["templating"]["list"]}
     assert variables == {"datasource", "job", "instance"}
     assert all('job=~"$job"' in expr and 'instance=~"$instance"' in expr for expr in exprs)
+
+
+def test_the_doc_names_every_panel_and_metric():
+    doc = (ROOT / "docs" / "observability.md").read_text()
+    for title, q in queries():
+        assert title in doc, f"docs/observability.md lacks the panel {title!r}"
+        for name in NAME.findall(q.expr):
+            family = re.sub(r"_(bucket|total)$", "", name)
+            assert family in doc, f"docs/observability.md does not name {name} ({title})"
 
 
 def test_every_query_names_scraped_metrics_and_returns_data(scraped):

@@ -86,6 +86,14 @@ def quantiles(histogram: str, by: str = "", legend: str = "", match: str = "") -
     )
 
 
+def everything(expr: str, window: str) -> str:
+    """A panel's query as Grafana sends it with every pool and process selected and
+    `$__rate_interval` standing for `window` (tests and deploy/observability/preview.py)."""
+    for variable, value in (("$job", ".*"), ("$instance", ".*"), (WINDOW, window)):
+        expr = expr.replace(variable, value)
+    return expr
+
+
 def gauge(metric: str, by: str, legend: str, match: str = "") -> Query:
     return Query(f"sum by ({by}) ({metric}{selector(match)})", legend)
 
