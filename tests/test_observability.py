@@ -116,28 +116,20 @@ def scraped(start_server, tiny_model, tmp_path_factory):
     """(Prometheus, its scraped metric names) once the load run is in it."""
     binary()  # before anything starts
     model = ["--model", str(tiny_model("llama")), *WORKER_ARGS]
-    p = start_server("prefill", *model, wait=False)
-    d = start_server("decode", *model, wait=False)
-    p.wait_ready(), d.wait_ready()
+    # the workers one after the other (two loading at once on 2 cores only contend), then the
+    # light proxies side by side, and Prometheus while they start
+    p = start_server("prefill", *model)
+    d = start_server("decode", *model)
+    pools = ["--prefill", p.url, "--decode", d.url, "--max-concurrency", "2"]
     proxies = {
-        mode: start_server(
-            "proxy",
-            "--prefill",
-            p.url,
-            "--decode",
-            d.url,
-            "--mode",
-            mode,
-            "--max-concurrency",
-            "2",
-            "--health-interval",
-            "0.5",
-        )  # fmt: skip
+        mode: start_server("proxy", *pools, "--mode", mode, "--health-interval", "0.5", wait=False)
         for mode in MODES
     }
     targets = {"prefill": [p.url], "decode": [d.url], "proxy": [x.url for x in proxies.values()]}
     prom = Prometheus(tmp_path_factory.mktemp("prometheus"), targets)
     try:
+        for proxy in proxies.values():
+            proxy.wait_ready(path="/ready")
         every = 2 + len(MODES)
         up = lambda: list(prom.targets_up().values()) == ["up"] * every  # noqa: E731
         assert wait_until(up, 30, 0.2), f"{prom.targets_up()}\n{prom.log()}"
