@@ -1,14 +1,15 @@
 """The Grafana dashboard against a real Prometheus (Debian's binary) scraping a real cluster.
 
 One prefill and one decode worker (the tiny model) behind three proxies, one per mode (pull,
-push, colocated); Prometheus scrapes all five every second with the config deploy.local writes
-(deploy/observability/prometheus.py). One short `benchmarks.serve` run through each proxy, and a
-bad request to a proxy and to D before and after it (the error panels need errors). Then every
-panel's every query, with the dashboard's variables set to everything and its rate window wide
-enough for the run, is evaluated through Prometheus's HTTP API: every metric it names must be
-among the scraped series, and it must return data (a latency quantile: a number, not NaN).
-Also: the committed JSON is what the generator makes now, and `deploy.local --prometheus` starts
-a Prometheus that scrapes the launcher's processes and stops with them.
+push with two proxy processes, colocated); Prometheus scrapes all five every second with the
+config deploy.local writes (deploy/observability/prometheus.py). One short `benchmarks.serve`
+run through each proxy, and a bad request to a proxy and to D before and after it (the error
+panels need errors). Then every panel's every query, with the dashboard's variables set to
+everything and its rate window wide enough for the run, is evaluated through Prometheus's HTTP
+API: every metric it names must be among the scraped series, and it must return data (a latency
+quantile: a number, not NaN). Also: the committed JSON is what the generator makes now, the doc
+names every panel and metric, and `deploy.local --prometheus` starts a Prometheus that scrapes
+the launcher's processes and stops with them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from deploy.observability import dashboard, prometheus
 from tests.servers import ROOT, free_port, wait_until
 
 MODES = ("pull", "push", "colocated")
+# the push proxy runs two processes: its /metrics merges them, and the panels must read it alike
+PROCESSES = {"pull": [], "push": ["--workers", "2"], "colocated": []}
 SCRAPE_S = 1.0
 WINDOW = "2m"  # what $__rate_interval stands for here: the whole module's run
 NUM_PROMPTS = 8
@@ -122,7 +125,16 @@ def scraped(start_server, tiny_model, tmp_path_factory):
     d = start_server("decode", *model)
     pools = ["--prefill", p.url, "--decode", d.url, "--max-concurrency", "2"]
     proxies = {
-        mode: start_server("proxy", *pools, "--mode", mode, "--health-interval", "0.5", wait=False)
+        mode: start_server(
+            "proxy",
+            *pools,
+            "--mode",
+            mode,
+            "--health-interval",
+            "0.5",
+            *PROCESSES[mode],
+            wait=False,
+        )
         for mode in MODES
     }
     targets = {"prefill": [p.url], "decode": [d.url], "proxy": [x.url for x in proxies.values()]}
