@@ -11,11 +11,7 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 from common.engine.stats import EngineStats
 from common.kv_transfer import transport_info
-from common.kv_transfer.transfers import (
-    DescriptorHistogram,
-    RunningHistogram,
-    SecondsHistogram,
-)
+from common.kv_transfer.transfers import DescriptorHistogram, RunningHistogram, SecondsHistogram
 from common.native.choice import choices as kernel_choices
 
 _LATENCY_BUCKETS = (
