@@ -48,20 +48,11 @@ def binary() -> str:
     return found
 
 
-class Prometheus:
-    """Debian's prometheus on loopback over `targets` (pool → URLs), its data in `folder`."""
+class PrometheusAPI:
+    """What the tests ask a Prometheus at `url` over its HTTP API."""
 
-    def __init__(self, folder: Path, targets: dict[str, list[str]]):
-        config = prometheus.write_config(folder, targets, SCRAPE_S)
-        self.url = f"http://127.0.0.1:{free_port()}"
-        port = int(self.url.rsplit(":", 1)[1])
-        cmd = prometheus.command(binary(), config, folder / "data", "127.0.0.1", port)
-        self.log_path = folder / "prometheus.log"
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:]
+    def __init__(self, url: str):
+        self.url = url
 
     def get(self, path: str, **params) -> dict:
         r = httpx.get(f"{self.url}{path}", params=params, timeout=10)
@@ -82,6 +73,22 @@ class Prometheus:
         except (httpx.HTTPError, AssertionError):
             return {}
         return {t["scrapeUrl"]: t["health"] for t in active}
+
+
+class Prometheus(PrometheusAPI):
+    """Debian's prometheus on loopback over `targets` (pool → URLs), its data in `folder`."""
+
+    def __init__(self, folder: Path, targets: dict[str, list[str]]):
+        port = free_port()
+        super().__init__(f"http://127.0.0.1:{port}")
+        config = prometheus.write_config(folder, targets, SCRAPE_S)
+        cmd = prometheus.command(binary(), config, folder / "data", "127.0.0.1", port)
+        self.log_path = folder / "prometheus.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -250,19 +257,19 @@ def test_deploy_local_runs_prometheus_over_its_processes(tmp_path, tiny_model):
         launcher.wait_for(r"^ready: ", timeout=180)
         children = launcher.children()
         assert children["prometheus"][0] == f"http://127.0.0.1:{port}", launcher.output()
-        prom = Prometheus.__new__(Prometheus)
-        prom.url = children["prometheus"][0]
+        prom = PrometheusAPI(children["prometheus"][0])
         scraped_urls = {f"{children[name][0]}/metrics" for name in ("proxy", "decode-0")}
         up = lambda: prom.targets_up() == dict.fromkeys(scraped_urls, "up")  # noqa: E731
         assert wait_until(up, 30, 0.5), (prom.targets_up(), launcher.output())
         jobs = {s["metric"]["job"] for s in prom.query("up")}
-        assert jobs == {"pdserve-proxy", "pdserve-decode"}
+        assert jobs == {"pdserve-proxy", "pdserve-decode"}, jobs
         cmdline = Path(f"/proc/{children['prometheus'][1]}/cmdline").read_bytes().split(b"\0")
         (data,) = [a.split(b"=", 1)[1] for a in cmdline if a.startswith(b"--storage.tsdb.path=")]
-        assert Path(data.decode()).is_dir()
+        assert Path(data.decode()).is_dir(), cmdline
         launcher.proc.send_signal(signal.SIGTERM)
         assert launcher.wait() == 0, launcher.output()
         assert not launcher.survivors(), launcher.output()  # Prometheus went with the cluster
-        assert not Path(data.decode()).parent.exists(), "its temporary folder stayed"
+        folder = Path(data.decode()).parent
+        assert not folder.exists(), f"{folder} stayed: {list(folder.rglob('*'))[:20]}"
     finally:
         launcher.kill_all()
