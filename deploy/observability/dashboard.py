@@ -149,7 +149,9 @@ TTFT = Row(
             "TTFT at the proxy",
             "s",
             "Arrival at the proxy to the first byte sent to the client"
-            " (pdserve_proxy_time_to_first_byte_seconds): the sum of the parts in this row.",
+            " (pdserve_proxy_time_to_first_byte_seconds). A streamed one-choice request gets P's"
+            " first token at once (the default): about 1 + 2, and 4 delays its second token;"
+            " otherwise (--no-first-token-from-prefill, n > 1) the proxy waits for D: 1 + 2 + 4.",
             quantiles("pdserve_proxy_time_to_first_byte_seconds"),
         ),
         Panel(
