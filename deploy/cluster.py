@@ -64,6 +64,7 @@ class LocalConfig:
     is_cpu_split: bool = True  # each worker gets its own cores (deploy/cores.py)
     cores: tuple[int, ...] | None = None  # the cores split among the workers; None: all we have
     is_kv_events: bool = True  # workers publish KV events on loopback, the proxy routes by them
+    prometheus_port: int | None = None  # a Prometheus scraping every process here (0: any port)
 
     def __post_init__(self) -> None:
         if self.num_decode < 1 or self.num_prefill < 0:
@@ -75,6 +76,8 @@ class LocalConfig:
         check_tensor_parallel(self.mode, self.tp, is_cuda(self.worker_args))
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.prometheus_port is not None and not 0 <= self.prometheus_port < 65536:
+            raise ValueError(f"--prometheus must be in [0, 65535], got {self.prometheus_port}")
         if self.model is not None and not Path(self.model).is_dir():
             raise ValueError(f"--model {self.model}: no such folder")
         if self.is_exit_after_ask and self.question is None:

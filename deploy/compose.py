@@ -28,8 +28,10 @@ replica (no container name, no published port, no cpuset), each advertises its o
 re-resolved every DISCOVERY_INTERVAL seconds through Docker's DNS, which answers a service's name
 with every replica's address.
 
-Only the proxy's port is published. Workers share `PDSERVE_INTERNAL_TOKEN`, which compose takes
-from the environment or an `.env` file and refuses to start without.
+Only the proxy's port is published (and, in the `monitoring` profile, Prometheus's and
+Grafana's on 127.0.0.1: deploy/observability/monitoring.py; `--profile monitoring` starts them).
+Workers share `PDSERVE_INTERNAL_TOKEN`, which compose takes from the environment or an `.env`
+file and refuses to start without.
 
 deploy/docker-compose.yml and deploy/docker-compose.cpu.yml are this script's output for their
 shapes (the command is in each file's first line); tests/test_deploy_compose.py checks that.
@@ -57,6 +59,7 @@ from dataclasses import dataclass
 import yaml  # PyYAML: already installed as a dependency of gguf, which the project requires
 
 from deploy.cores import CpuPlan, plan_cores
+from deploy.observability import monitoring
 from deploy.tp import add_tp_args, check_tensor_parallel, tp_args
 
 BASE_PORTS = {"prefill": 8100, "decode": 8200}
@@ -85,8 +88,16 @@ class _Dumper(yaml.SafeDumper):
         return True
 
 
+class Block(str):
+    """A string of several lines that is written as a `|` block (the monitoring profile's
+    Prometheus config), as it reads in a file of its own."""
+
+
 _Dumper.add_representer(
     Flow, lambda d, data: d.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True)
+)
+_Dumper.add_representer(
+    Block, lambda d, data: d.represent_scalar("tag:yaml.org,2002:str", str(data), style="|")
 )
 
 
@@ -320,7 +331,8 @@ def proxy_service(shape: Shape, workers: list[WorkerService]) -> dict:
 
 
 def build_compose(shape: Shape) -> dict:
-    """The compose document as a dict (services in order: prefill, decode, proxy)."""
+    """The compose document as a dict (services in order: prefill, decode, proxy, then the
+    `monitoring` profile's Prometheus and Grafana, which start only with `--profile monitoring`)."""
     workers = worker_services(shape)
     services, first_gpu = {}, 0
     for worker in workers:  # GPU: consecutive GPUs, as many as the worker has ranks
@@ -329,7 +341,13 @@ def build_compose(shape: Shape) -> dict:
         services[worker.name] = worker_service(shape, worker, gpus)
         first_gpu += num_gpus
     services["proxy"] = proxy_service(shape, workers)
-    return {"services": services, "volumes": {CACHE_VOLUME: {}}}
+    targets = {"proxy": [f"http://proxy:{PROXY_PORT}"]}  # the monitoring profile's scrapes
+    for role in BASE_PORTS:
+        targets[role] = [w.pool_entry for w in workers if w.role == role]
+    services.update(monitoring.services(targets))
+    env = services["prometheus"]["environment"]
+    env[monitoring.CONFIG_VARIABLE] = Block(env[monitoring.CONFIG_VARIABLE])
+    return {"services": services, "volumes": {CACHE_VOLUME: {}, monitoring.DATA_VOLUME: {}}}
 
 
 def render(shape: Shape) -> str:

@@ -21,24 +21,33 @@ every core (and lets `--cpu-cores`/`--cpu-threads` after `--` apply to all of th
 `--prefill-tp N`/`--decode-tp N` start those workers with `--tensor-parallel-size N`: N ranks,
 which get N workers' share of the cores (the banner warns when ranks must share cores). TP > 1
 has no P/D KV transfer yet, so it needs `--mode colocated`; other modes exit 2 (deploy/tp.py).
+
+`--prometheus PORT` also starts Debian's `prometheus` on 127.0.0.1:PORT, scraping the proxy and
+every worker (deploy/observability/prometheus.py), its data in a temporary folder that goes with
+the cluster; load deploy/observability/grafana/pdserve.json into a Grafana pointed at it
+(docs/observability.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
 from common.processes import STOP_SIGNALS, Child, Supervisor
 from deploy.cluster import (
     DEFAULT_MODEL,
+    Cluster,
     LocalConfig,
     banner,
     cluster_env,
@@ -47,10 +56,12 @@ from deploy.cluster import (
     start_cluster,
 )
 from deploy.compose import MODES, PROXY_PORT
+from deploy.observability import prometheus
 from deploy.tp import add_tp_args
 
 EXAMPLE_QUESTION = "Why is the sky blue?"
 ASK_MAX_TOKENS = 128
+SCRAPE_INTERVAL_S = 5.0  # --prometheus
 
 
 class Stopped(Exception):
@@ -193,13 +204,38 @@ def serve(cfg: LocalConfig, sup: Supervisor, proxy: Child) -> None:
     raise ChildFailed(child, f"exited with status {child.exit_code}")
 
 
-def run(cfg: LocalConfig) -> int:
+def start_prometheus(cfg: LocalConfig, sup: Supervisor, cluster: Cluster, log_dir: Path) -> Path:
+    """--prometheus: Prometheus scraping the proxy and every worker (deploy/observability/);
+    its config and data in a new temporary folder, which it returns (removed after the stop)."""
+    folder = Path(tempfile.mkdtemp(prefix="pdserve-prometheus-"))
+    targets = {"proxy": [cluster.proxy.url], **{r: cluster.urls(r) for r in cluster.workers}}
+    config = prometheus.write_config(folder, targets, SCRAPE_INTERVAL_S)
+    taken = {urlsplit(c.url).port for c in cluster.children}
+    port = cfg.prometheus_port or pick_port("127.0.0.1", None, taken)
+    cmd = prometheus.command(prometheus.find_binary(), config, folder / "data", "127.0.0.1", port)
+    url = f"http://127.0.0.1:{port}"
+    sup.start("prometheus", cmd, url=url, log_path=log_dir / "prometheus.log", env=dict(os.environ))
+    return folder
+
+
+def refusal(cfg: LocalConfig) -> str | None:
+    """Why the cluster cannot start here, before anything starts."""
     if cfg.port and not is_port_free(cfg.host, cfg.port):
-        print(
-            f"error: port {cfg.port} is taken (another pdserve?). Stop what uses it, or choose "
-            "another with --port N (--port 0 picks a free one).",
-            file=sys.stderr,
+        return (
+            f"port {cfg.port} is taken (another pdserve?). Stop what uses it, or choose "
+            "another with --port N (--port 0 picks a free one)."
         )
+    if cfg.prometheus_port is not None:
+        if prometheus.find_binary() is None:
+            return f"--prometheus: {prometheus.INSTALL_HINT}"
+        if cfg.prometheus_port and not is_port_free("127.0.0.1", cfg.prometheus_port):
+            return f"--prometheus {cfg.prometheus_port}: the port is taken (0 picks a free one)"
+    return None
+
+
+def run(cfg: LocalConfig) -> int:
+    if (why := refusal(cfg)) is not None:
+        print(f"error: {why}", file=sys.stderr)
         return 1
     proxy_port = cfg.port or pick_port(cfg.host, None, set())
     log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="pdserve-"))
@@ -207,9 +243,14 @@ def run(cfg: LocalConfig) -> int:
     for sig in STOP_SIGNALS:
         signal.signal(sig, _raise_stopped)
     sup = Supervisor(cluster_env())
+    prometheus_dir = None
     try:
         cluster = start_cluster(cfg, sup, proxy_port, log_dir)
-        print(banner(cfg, cluster.children))
+        children = cluster.children
+        if cfg.prometheus_port is not None:
+            prometheus_dir = start_prometheus(cfg, sup, cluster, log_dir)
+            children = sup.children
+        print(banner(cfg, children))
         serve(cfg, sup, cluster.proxy)
         return 0
     except Stopped as e:
@@ -224,6 +265,8 @@ def run(cfg: LocalConfig) -> int:
         return 1
     finally:
         sup.stop()
+        if prometheus_dir is not None:
+            shutil.rmtree(prometheus_dir, ignore_errors=True)
 
 
 def parse_args(argv: list[str] | None = None) -> LocalConfig:
@@ -260,6 +303,14 @@ def parse_args(argv: list[str] | None = None) -> LocalConfig:
     add(
         "--proxy-args", default="", help="extra proxy flags as one string, e.g. '--log-level debug'"
     )
+    add(
+        "--prometheus",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="also run Prometheus on 127.0.0.1:PORT (0: any free port), scraping the proxy and "
+        "every worker every 5 s (docs/observability.md)",
+    )
     a = p.parse_args(argv)
     try:
         return LocalConfig(
@@ -279,6 +330,7 @@ def parse_args(argv: list[str] | None = None) -> LocalConfig:
             worker_args=tuple(worker_args),
             proxy_args=tuple(shlex.split(a.proxy_args)),
             is_cpu_split=not a.no_cpu_split,
+            prometheus_port=a.prometheus,
         )
     except ValueError as e:
         p.error(str(e))  # exit 2

@@ -45,6 +45,10 @@ step "dnsmasq (tests/test_proxy_discovery.py runs it: a real DNS server on loopb
 PATH="$PATH:/usr/sbin:/sbin" command -v dnsmasq >/dev/null || apt_install dnsmasq-base \
     || echo "warning: dnsmasq not installed; tests/test_proxy_discovery.py will fail" >&2
 
+step "prometheus (tests/test_observability.py scrapes a real cluster with it; deploy.local --prometheus)"
+command -v prometheus >/dev/null || apt_install prometheus \
+    || echo "warning: prometheus not installed; tests/test_observability.py will fail" >&2
+
 if [ "${1:-}" != "--no-run" ]; then
     step "a local cluster (proxy + 1 prefill + 1 decode worker, SmolLM2-135M-Instruct): one question"
     # --port 0: any free port, so that a busy 8000 cannot fail the set-up; --exit: stop afterwards

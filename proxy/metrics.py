@@ -17,7 +17,10 @@ and `pdserve_proxy_prefix_query_blocks{role}` (the prompts' full blocks),
 `error_event`, `ejected`, `drain`, `truncated`), `pdserve_proxy_migrations_refused_total{reason}`
 (`limit`, `no_decode`, `untracked`, `rejected`, `unsupported`: a worker that does not
 say it continued) and
-`pdserve_proxy_migration_recomputed_tokens_total`.
+`pdserve_proxy_migration_recomputed_tokens_total`. Each worker as this process sees it:
+`pdserve_proxy_worker_healthy{role, url}` (1 or 0) and `pdserve_proxy_worker_ejections_total{role,
+url}` (healthy to unhealthy, by health checks or a failed request). The reasons and roles above
+that are known in advance start at 0, so that a rate over them reads 0 rather than nothing.
 """
 
 from __future__ import annotations
@@ -25,10 +28,41 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from proxy.workers import Worker, WorkerPool
 
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ADMISSION_REASONS = ("rate_limited", "queue_full", "queue_timeout")
+MIGRATION_REASONS = ("connection", "timeout", "error_event", "ejected", "drain", "truncated")
+REFUSAL_REASONS = ("limit", "no_decode", "untracked", "rejected", "unsupported")
+UPSTREAM_ERROR_KINDS = ("connect", "timeout", "transport", "ejected")  # and http_{status}
+
+
+class _WorkerCollector:
+    """`pdserve_proxy_worker_healthy` and `pdserve_proxy_worker_ejections_total`, one series
+    per worker in the pools now (a removed worker's series end with it)."""
+
+    def __init__(self, pools: dict[str, WorkerPool]):
+        self.pools = pools
+
+    def collect(self):
+        healthy = GaugeMetricFamily(
+            "pdserve_proxy_worker_healthy",
+            "1 while this proxy process routes to the worker (healthy, not draining), else 0",
+            labels=["role", "url"],
+        )
+        ejections = CounterMetricFamily(
+            "pdserve_proxy_worker_ejections",
+            "Times the worker went from healthy to unhealthy (health checks or a failed call)",
+            labels=["role", "url"],
+        )
+        for role, pool in self.pools.items():
+            for worker in pool.workers:
+                healthy.add_metric([role, worker.url], int(worker.is_routable))
+                ejections.add_metric([role, worker.url], worker.num_ejections)
+        yield healthy
+        yield ejections
 
 
 class ProxyMetrics:
@@ -93,6 +127,11 @@ class ProxyMetrics:
         self._add_admission_metrics(r)
         self._add_kv_routing_metrics(r)
         self._add_migration_metrics(r)
+        r.register(_WorkerCollector(pools))
+        for role in pools:
+            self.retries.labels(role)
+            for kind in UPSTREAM_ERROR_KINDS:
+                self.upstream_errors.labels(role, kind)
 
     def _add_migration_metrics(self, r: CollectorRegistry) -> None:
         self.migrations = Counter(
@@ -112,6 +151,10 @@ class ProxyMetrics:
             "Tokens recomputed on the worker that continues a moved request",
             registry=r,
         )
+        for reason in MIGRATION_REASONS:
+            self.migrations.labels(reason)
+        for reason in REFUSAL_REASONS:
+            self.migrations_refused.labels(reason)
 
     def _add_admission_metrics(self, r: CollectorRegistry) -> None:
         self.admission_rejected = Counter(
@@ -120,6 +163,8 @@ class ProxyMetrics:
             ["reason"],
             registry=r,
         )
+        for reason in ADMISSION_REASONS:
+            self.admission_rejected.labels(reason)
         self.queue_depth = Gauge(
             "pdserve_proxy_queue_depth", "Requests waiting for a slot", registry=r
         )

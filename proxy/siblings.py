@@ -30,6 +30,7 @@ VIEW_GAUGES = {  # each process holds its own view of the same thing: the larges
     "pdserve_proxy_workers",
     "pdserve_proxy_discovered_workers",
     "pdserve_proxy_kv_index_blocks",  # every process indexes every worker's KV events
+    "pdserve_proxy_worker_healthy",
 }
 TIMEOUT_S = 5.0
 READY_TIMEOUT_S = 1.0  # a sibling that cannot say it is ready in this time is not

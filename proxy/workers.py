@@ -30,6 +30,7 @@ class Worker:
     num_failures: int = 0  # consecutive failed checks
     num_successes: int = 0  # consecutive good checks
     last_error: str | None = None
+    num_ejections: int = 0  # times it went from healthy to not (checks or a failed request)
     source: str = "static"
     changed_at: float = field(default_factory=time.monotonic)
     _endpoints: dict[str, httpx.URL] = field(default_factory=dict, repr=False)
@@ -51,6 +52,7 @@ class Worker:
         self.num_successes = 0
         if self.is_healthy:
             self.is_healthy = False
+            self.num_ejections += 1
             self.changed_at = time.monotonic()
 
     def record_check(self, ok: bool, why: str | None, failures: int, successes: int) -> bool:
@@ -70,6 +72,8 @@ class Worker:
             self.changed_at = time.monotonic()
             if self.is_healthy:
                 self.last_error = None
+            else:
+                self.num_ejections += 1
         return flip
 
     def describe(self) -> dict:

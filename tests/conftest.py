@@ -71,6 +71,7 @@ LONG_MODULES = (  # the longest first (seconds of a 3-worker run on 2 cores, 202
     "tests/test_pd_pull.py",  # 85
     "tests/test_migration.py",  # 80 alone
     "tests/test_pd_tensor_parallel.py",  # 83
+    "tests/test_observability.py",  # 33-88 alone, the machine shared (load average 4-12)
     "tests/test_gpu_check.py",  # 59
     "tests/test_kv_peers.py",  # 56
     "tests/test_smollm2.py",  # 49

@@ -9,6 +9,9 @@ proxy's pools naming the headless Services (`dns://NAME:PORT`), tokens only from
 the render holds, a GPU per tensor-parallel rank on GPU (TP > 1 only colocated) and none on CPU,
 a grace period longer than the drain, the KV host from the pod's IP; and every container's
 arguments, `$(VAR)`s expanded as the kubelet would, parse with that role's own argument parser.
+The monitoring overlay (no pdserve objects: applied next to another): its ConfigMap validated
+as above and holding the generated dashboard; its ServiceMonitor, a CRD the bundled schemas lack,
+against the operator's fields it may use (strict as above), selecting each role's Service.
 """
 
 from __future__ import annotations
@@ -405,3 +408,139 @@ def test_workers_publish_kv_events_on_their_pod_address(r):
         args = r.container(role)["args"]
         assert flag(args, "--kv-events-endpoint") == "tcp://*:5557", (r.target, role)
         assert flag(args, "--kv-events-replay-endpoint") == "tcp://*:5558", (r.target, role)
+
+
+# The fields of the Prometheus Operator's ServiceMonitor (monitoring.coreos.com/v1) that the
+# monitoring overlay may use, named and typed as the operator's CRD schema defines them; like
+# kubernetes-validate's strict mode, a field outside them (a typo) fails.
+LABEL_SELECTOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "matchExpressions": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["key", "operator"],
+                "properties": {
+                    "key": {"type": "string"},
+                    "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                    "values": {"type": "array", "items": {"type": "string"}},
+                },
+            },
+        },
+    },
+}
+SERVICE_MONITOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "ServiceMonitor"},
+        "metadata": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
+                "namespace": {"type": "string"},
+                "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+            },
+        },
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["selector", "endpoints"],
+            "properties": {
+                "selector": LABEL_SELECTOR,
+                "jobLabel": {"type": "string"},
+                "namespaceSelector": {"type": "object"},
+                "endpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string"},
+                            "scheme": {"enum": ["http", "https"]},
+                            "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                            "scrapeTimeout": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def label_selects(selector: dict, labels: dict) -> bool:
+    """A Kubernetes label selector (matchLabels and In/NotIn/Exists expressions) on labels."""
+    if not selects(selector.get("matchLabels", {}), labels):
+        return False
+    for e in selector.get("matchExpressions", []):
+        value = labels.get(e["key"])
+        ok = {
+            "In": value in e.get("values", []),
+            "NotIn": value not in e.get("values", []),
+            "Exists": value is not None,
+            "DoesNotExist": value is None,
+        }[e["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+def seconds(duration: str) -> float:
+    number, unit = re.fullmatch(r"(\d+)(ms|s|m|h)", duration).groups()
+    return int(number) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
+
+
+def test_the_monitoring_overlay_validates_strictly(tree):
+    import jsonschema
+
+    from deploy.observability import dashboard
+
+    monitoring = render(tree, "overlays/monitoring")
+    assert sorted(d["kind"] for d in monitoring.docs) == ["ConfigMap", "ServiceMonitor"]
+    (monitor,) = monitoring.of_kind("ServiceMonitor")
+    jsonschema.validate(monitor, SERVICE_MONITOR)
+    (config_map,) = monitoring.of_kind("ConfigMap")
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(config_map, version, strict=True)
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"  # the sidecar's label
+    assert config_map["metadata"]["name"] == "pdserve-grafana-dashboard", "no hash suffix"
+    text = config_map["data"]["pdserve.json"]
+    assert text == dashboard.render(), "python -m deploy.observability.dashboard --write-all"
+    assert len(text) < 256 * 1024, "kubectl apply's last-applied annotation holds 256 KiB"
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert seconds(endpoint["scrapeTimeout"]) <= seconds(endpoint["interval"])
+
+
+@pytest.mark.parametrize("target", ["overlays/cpu", "overlays/gpu"])
+def test_the_service_monitor_scrapes_every_role_by_its_service(tree, target):
+    """Each role's Service, on its http port, at /metrics; the job label is the Service's name
+    (no jobLabel), which the dashboard's $job variable matches."""
+    from deploy.observability import dashboard
+
+    (monitor,) = render(tree, "overlays/monitoring").of_kind("ServiceMonitor")
+    services = render(tree, target).of_kind("Service")
+    selected = [s for s in services if label_selects(monitor["spec"]["selector"], labels_of(s))]
+    assert sorted(s["metadata"]["name"] for s in selected) == [
+        f"pdserve-{x}" for x in sorted(ROLES)
+    ]
+    assert "jobLabel" not in monitor["spec"]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    for service in selected:
+        assert endpoint["port"] in [p["name"] for p in service["spec"]["ports"]]
+    assert all(re.match(dashboard.JOB_REGEX, s["metadata"]["name"]) for s in selected)
+
+
+def labels_of(doc: dict) -> dict:
+    return doc["metadata"].get("labels", {})

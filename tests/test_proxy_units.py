@@ -73,6 +73,35 @@ def test_worker_health_thresholds():
     assert w.is_healthy and not w.is_routable
 
 
+def test_ejections_count_each_fall_from_healthy_and_show_per_worker():
+    from proxy.metrics import ProxyMetrics
+    from proxy.workers import WorkerPool
+
+    def metric_samples(text: str, sample: str) -> list[float]:
+        return [float(line.rpartition(" ")[2]) for line in text.splitlines()
+                if line.rpartition(" ")[0] == sample]  # fmt: skip
+
+    (w,) = workers(1)
+    w.record_check(True, None, 2, 1)  # healthy: its first admission is no ejection
+    w.eject("connect refused")
+    w.eject("connect refused")  # already out: not a second ejection
+    w.record_check(True, None, 2, 1)
+    for _ in range(2):  # the checks' threshold: out once more
+        w.record_check(False, "down", 2, 1)
+    assert w.num_ejections == 2
+    pool = WorkerPool("prefill")
+    pool.add(w)
+    text = ProxyMetrics({"prefill": pool}).render().decode()
+    labels = f'role="prefill",url="{w.url}"'
+    assert metric_samples(text, f"pdserve_proxy_worker_ejections_total{{{labels}}}") == [2.0]
+    assert metric_samples(text, f"pdserve_proxy_worker_healthy{{{labels}}}") == [0.0]
+    w.record_check(True, None, 2, 1)
+    text = ProxyMetrics({"prefill": pool}).render().decode()
+    assert metric_samples(text, f"pdserve_proxy_worker_healthy{{{labels}}}") == [1.0]
+    rejected = 'pdserve_proxy_admission_rejected_total{reason="queue_full"}'
+    assert metric_samples(text, rejected) == [0.0], "known reasons start at 0"
+
+
 def test_config_from_flags_file_and_errors(tmp_path, capsys):
     path = tmp_path / "proxy.json"
     path.write_text(json.dumps({"prefill": ["http://p:8100"], "decode": ["http://d:8200"],

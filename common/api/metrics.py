@@ -11,7 +11,7 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 from common.engine.stats import EngineStats
 from common.kv_transfer import transport_info
-from common.kv_transfer.transfers import DESCRIPTOR_BUCKETS, DescriptorHistogram
+from common.kv_transfer.transfers import DescriptorHistogram, RunningHistogram, SecondsHistogram
 from common.native.choice import choices as kernel_choices
 
 _LATENCY_BUCKETS = (
@@ -54,22 +54,19 @@ def _catch_up(counter: Counter, label: str, totals: dict[str, int]) -> None:
             child.inc(delta)
 
 
-class _DescriptorCollector:
-    """`pdserve_kv_descriptors`: the engine's running descriptor histograms, by op."""
+class _RunningHistogramCollector:
+    """A histogram by op (read: pull, on D; write: push, on P) of the engine's running
+    histograms (common/kv_transfer/transfers.py), set from its stats at each scrape."""
 
-    def __init__(self) -> None:
-        self.histograms: dict[str, DescriptorHistogram] = {}
+    def __init__(self, name: str, doc: str, empty: type[RunningHistogram]) -> None:
+        self.name, self.doc, self.empty = name, doc, empty
+        self.histograms: dict[str, RunningHistogram] = {}
 
     def collect(self):
-        family = HistogramMetricFamily(
-            "pdserve_kv_descriptors",
-            "NIXL descriptors a layer per request's KV transfer (2: its blocks are one run on"
-            " both sides; 2 per run otherwise), by op: read (pull, on D), write (push, on P)",
-            labels=["op"],
-        )
+        family = HistogramMetricFamily(self.name, self.doc, labels=["op"])
         for op in ("read", "write"):
-            histogram = self.histograms.get(op, DescriptorHistogram())
-            bounds = [str(float(b)) for b in DESCRIPTOR_BUCKETS] + ["+Inf"]
+            histogram = self.histograms.get(op, self.empty())
+            bounds = [str(float(b)) for b in histogram.BUCKETS] + ["+Inf"]
             cumulative, running = [], 0
             for bound, count in zip(bounds, histogram.counts, strict=True):
                 running += count
@@ -132,6 +129,20 @@ class ServerMetrics:
         self.itl = Histogram(
             "pdserve_inter_token_latency_seconds",
             "Time between output tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "pdserve_time_per_output_token_seconds",
+            "A finished request's time per output token after its first (2 tokens or more)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.first_step = Histogram(
+            "pdserve_first_step_seconds",
+            "The engine's part of the time to first token: the request handed to the engine to"
+            " its first output token here (on D after a remote prefill: its first decode step,"
+            " with the wait for pushed KV or, in pull mode, the KV load it overlaps)",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -253,8 +264,20 @@ class ServerMetrics:
             ["field"],
             registry=r,
         )
-        self.descriptors = _DescriptorCollector()
+        self.descriptors = _RunningHistogramCollector(
+            "pdserve_kv_descriptors",
+            "NIXL descriptors a layer per request's KV transfer (2: its blocks are one run on"
+            " both sides; 2 per run otherwise), by op: read (pull, on D), write (push, on P)",
+            DescriptorHistogram,
+        )
         r.register(self.descriptors)
+        self.transfer_seconds = _RunningHistogramCollector(
+            "pdserve_kv_transfer_request_seconds",
+            "One request's KV transfer, by op: read (pull, on D: its first READ to its load"
+            " done), write (push, on P: its first WRITE to its last one landing)",
+            SecondsHistogram,
+        )
+        r.register(self.transfer_seconds)
         self.handshakes = Counter(
             "pdserve_kv_handshakes", "Handshakes with a new KV peer", registry=r
         )
@@ -285,6 +308,7 @@ class ServerMetrics:
             _catch_up(self.loaded_requests, "mode", stats.kv_loaded_requests)
             _catch_up(self.recomputed, "reason", stats.kv_recomputed)
             self.descriptors.histograms = stats.kv_descriptors
+            self.transfer_seconds.histograms = stats.kv_seconds
             for name, counter in self.transfer_counters.items():
                 delta = getattr(stats, name) - counter._value.get()
                 if delta > 0:

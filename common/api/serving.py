@@ -229,6 +229,7 @@ async def _one(
                 if job.last_token_at is None:
                     m.ttft.observe(now - job.arrival)
                     job.first_token_ns = time.time_ns()
+                    m.first_step.observe((job.first_token_ns - job.added_ns) / 1e9)
                 else:
                     m.itl.observe(now - job.last_token_at)
                 job.last_token_at = now
@@ -236,6 +237,9 @@ async def _one(
             job.num_cached_tokens = out.num_cached_tokens
             if out.finished:
                 m.e2e.observe(now - job.arrival)
+                if job.first_token_ns is not None and job.num_output_tokens > 1:
+                    decoding = (time.time_ns() - job.first_token_ns) / 1e9
+                    m.tpot.observe(decoding / (job.num_output_tokens - 1))
                 m.prompt_tokens.inc(len(job.prompt_token_ids))
                 m.generation_tokens.inc(job.num_output_tokens)
                 record_job(

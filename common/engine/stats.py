@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.kv_transfer.base import KVTransferStats
-from common.kv_transfer.transfers import DescriptorHistogram
+from common.kv_transfer.transfers import DescriptorHistogram, SecondsHistogram
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class EngineStats:
     kv_pushes_in_flight: int = 0  # P: push requests whose writes have not settled
     kv_events_dropped: int = 0  # KV event batches the publisher's queue had no room for
     kv_descriptors: dict[str, DescriptorHistogram] = field(default_factory=dict)  # read | write
+    kv_seconds: dict[str, SecondsHistogram] = field(default_factory=dict)  # read | write
 
 
 def engine_stats(engine, kv_events) -> EngineStats:
@@ -72,4 +73,5 @@ def engine_stats(engine, kv_events) -> EngineStats:
         kv_pushes_in_flight=kv.num_pushes_in_flight,
         kv_events_dropped=kv_events.num_dropped if kv_events is not None else 0,
         kv_descriptors=kv.descriptors,
+        kv_seconds=kv.seconds,
     )

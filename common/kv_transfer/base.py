@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from common.kv_transfer.params import KVLoss, RemotePrefill
-from common.kv_transfer.transfers import DescriptorHistogram
+from common.kv_transfer.transfers import DescriptorHistogram, SecondsHistogram
 from common.tracing import RequestTimes
 
 if TYPE_CHECKING:
@@ -124,6 +124,7 @@ class KVTransferStats:
     loaded_requests: dict[str, int] = field(default_factory=dict)  # D: by mode, pull | push
     recomputed: dict[str, int] = field(default_factory=dict)  # D: by KVLoss.reason
     descriptors: dict[str, DescriptorHistogram] = field(default_factory=dict)  # read | write
+    seconds: dict[str, SecondsHistogram] = field(default_factory=dict)  # read | write, a request
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Any
 from common.kv_transfer.base import Request
 from common.kv_transfer.holds import TransferGroup, TransferHolds
 from common.kv_transfer.params import PushTarget, push_target
-from common.kv_transfer.transfers import DescriptorHistogram
+from common.kv_transfer.transfers import DescriptorHistogram, SecondsHistogram
 from common.tracing import RequestTimes
 
 logger = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ class PushStats:
     seconds: float = 0.0  # per request: from its first WRITE to its last one landing
     seconds_exposed: float = 0.0  # of that, after its prefill ended (not hidden by compute)
     descriptors_a_layer: DescriptorHistogram = field(default_factory=DescriptorHistogram)
+    seconds_a_request: SecondsHistogram = field(default_factory=SecondsHistogram)
 
 
 class PushTable:
@@ -144,11 +145,13 @@ class PushTable:
             descriptors = sum(r.num_descriptors for r in results) / len(results)
             self.stats.descriptors_a_layer.observe(descriptors)
         done = time.perf_counter()
-        self.stats.seconds += done - (push.started_at or done)
+        seconds = done - (push.started_at or done)
+        self.stats.seconds += seconds
         self.stats.seconds_exposed += done - push.finished_at
         if not errors:
             if push.times is not None and push.started_ns:
                 push.times.kv_transfer_ns = (push.started_ns, time.time_ns())
+            self.stats.seconds_a_request.observe(seconds)
             return None
         self.stats.num_failures += 1
         why = f"{len(errors)} of {len(push.writes)} KV writes failed: {errors[0]!r}"

@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -36,23 +36,43 @@ class TransferResult:
 
 
 DESCRIPTOR_BUCKETS = (2, 4, 8, 16, 32, 64, 128)  # 2 a layer: every block in one run both sides
+# one request's KV transfer: a few ms on one host, seconds for a long prompt over TCP
+SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 @dataclass
-class DescriptorHistogram:
-    """Running histogram of NIXL descriptors a layer, one observation per request (pull) or
-    per request's push: 2 when its blocks are one run here and there, 2 per run otherwise."""
+class RunningHistogram:
+    """A running histogram the engine thread observes into and /metrics exports (a copy):
+    `counts[i]` of the values at or below `BUCKETS[i]`, the last one above them all."""
 
-    counts: list[int] = field(default_factory=lambda: [0] * (len(DESCRIPTOR_BUCKETS) + 1))
+    BUCKETS: ClassVar[tuple[float, ...]] = ()
+    counts: list[int] = field(default_factory=list)
     total: float = 0.0
 
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * (len(self.BUCKETS) + 1)
+
     def observe(self, value: float) -> None:
-        bucket = next((i for i, b in enumerate(DESCRIPTOR_BUCKETS) if value <= b), -1)
+        bucket = next((i for i, b in enumerate(self.BUCKETS) if value <= b), -1)
         self.counts[bucket] += 1
         self.total += value
 
-    def copy(self) -> DescriptorHistogram:
-        return DescriptorHistogram(list(self.counts), self.total)
+    def copy(self) -> RunningHistogram:
+        return type(self)(list(self.counts), self.total)
+
+
+class DescriptorHistogram(RunningHistogram):
+    """NIXL descriptors a layer, one observation per request (pull) or per request's push: 2
+    when its blocks are one run here and there, 2 per run otherwise."""
+
+    BUCKETS = DESCRIPTOR_BUCKETS
+
+
+class SecondsHistogram(RunningHistogram):
+    """Seconds of one request's KV transfer: a pull's first READ to its load done (D), a push's
+    first WRITE to its last one landing (P)."""
+
+    BUCKETS = SECONDS_BUCKETS
 
 
 @dataclass
@@ -63,6 +83,7 @@ class TransferStats:
     seconds_loading: float = 0.0
     descriptors: int = 0
     descriptors_a_layer: DescriptorHistogram = field(default_factory=DescriptorHistogram)
+    seconds_a_request: SecondsHistogram = field(default_factory=SecondsHistogram)
     num_checksum_failures: int = 0
     loaded_requests: Counter = field(default_factory=Counter)  # D: by mode, pull | push
     recomputed: Counter = field(default_factory=Counter)  # D: by KVLoss.reason

@@ -146,6 +146,10 @@ class NixlConnector(KVConnector):
                 "read": loads.descriptors_a_layer.copy(),
                 "write": pushes.descriptors_a_layer.copy(),
             },
+            seconds={
+                "read": loads.seconds_a_request.copy(),
+                "write": pushes.seconds_a_request.copy(),
+            },
         )
 
     # -- peers -----------------------------------------------------------------------------------

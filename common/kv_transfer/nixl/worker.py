@@ -239,11 +239,13 @@ class NixlWorker:
         for plan in meta.loads:
             self.stats.num_loads += 1
             self.stats.num_failed += plan.failed
-            self.stats.seconds_loading += time.perf_counter() - plan.started_at
+            seconds = time.perf_counter() - plan.started_at
+            self.stats.seconds_loading += seconds
             if not plan.failed:
                 self.stats.loaded_requests["pull"] += 1
                 if plan.times is not None and plan.landed_ns is not None:
                     plan.times.kv_transfer_ns = (plan.started_ns, plan.landed_ns)
+                self.stats.seconds_a_request.observe(seconds)
                 for future in plan.group.futures if plan.group else []:
                     result = future.result()
                     self.stats.bytes_loaded += result.num_bytes
