@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--otlp-traces-endpoint",
         metavar="URL",
         help="export a trace of each request over OTLP/HTTP to this collector, e.g. "
-        "http://localhost:4318 (docs/tracing.md; default: off, OpenTelemetry not loaded)",
+        "http://localhost:4318 (docs/observability.md; default: off, OpenTelemetry not loaded)",
     )
     add("--log-level", choices=["debug", "info", "warning", "error"])
     return p

@@ -1,6 +1,6 @@
-"""OpenTelemetry traces (`--otlp-traces-endpoint`, docs/tracing.md): one trace per request
-across the proxy, P and D, with the right parents and durations that add up to what the
-client measured; W3C trace context kept from the client and across every hop; a worker
+"""OpenTelemetry traces (`--otlp-traces-endpoint`, docs/observability.md, "Traces"): one
+trace per request across the proxy, P and D, with the right parents and durations that add up
+to what the client measured; W3C trace context kept from the client and across every hop; a worker
 called without one starts its own trace; and with the flag absent OpenTelemetry is not even
 imported.
 

@@ -279,7 +279,7 @@ def _add_server_args(p: argparse.ArgumentParser, role: str) -> None:
         default=None,
         metavar="URL",
         help="export a trace of each request over OTLP/HTTP to this collector, e.g. "
-        "http://localhost:4318 (docs/tracing.md; default: off, OpenTelemetry not loaded)",
+        "http://localhost:4318 (docs/observability.md; default: off, OpenTelemetry not loaded)",
     )
     add(
         "--log-level",

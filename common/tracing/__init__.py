@@ -10,7 +10,7 @@ end with it unless ended before. Spans that the engine thread timed (it records 
 instants and never calls OpenTelemetry) are made afterwards with those explicit start and end
 times (`Trace.record`). Propagation is W3C `traceparent`/`tracestate`: a root takes its parent
 from the incoming headers; `Trace.headers(span)` are the ones to send on a call made under
-`span`. docs/tracing.md has the span tree.
+`span`. docs/observability.md, "Traces" has the span tree.
 """
 
 from __future__ import annotations
