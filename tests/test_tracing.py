@@ -260,6 +260,25 @@ def test_one_trace_holds_the_proxy_p_transfer_and_d(cluster, receiver, mode):
     assert abs(parts - ttft * 1e3) <= max(50.0, 0.3 * ttft * 1e3), (parts, ttft * 1e3, timeline)
 
 
+def test_vllm_router_passes_the_trace_on_to_both_workers(cluster, receiver, tmp_path):
+    """vllm-router (its P/D mode) has no spans of its own but passes the client's `traceparent`
+    on: P's and D's request spans are children of the client's span, in the client's trace."""
+    from tests.test_interop import run_router
+
+    p, d, _ = cluster
+    args = ["--vllm-pd-disaggregation", "--prefill", p.url, "--decode", d.url]
+    traceparent, trace_id, client_span = new_traceparent()
+    with run_router([*args, "--policy", "round_robin"], tmp_path / "router.log") as (url, _):
+        stream_ttft(url, {"traceparent": traceparent})
+    names = {
+        "pdserve-prefill": {"prefill.request", "prefill"},
+        "pdserve-decode": {"decode.request", "first_step", "kv.read"},
+    }
+    spans = wait_for_trace(receiver, trace_id, names)
+    assert spans["pdserve-prefill", "prefill.request"]["parent_id"] == client_span
+    assert spans["pdserve-decode", "decode.request"]["parent_id"] == client_span
+
+
 # -- the Trace of one request --------------------------------------------------------------------
 
 
