@@ -10,8 +10,8 @@ actually streamed. A failed turn ends its conversation (its history has no answe
 The server's /metrics is scraped before and after (the prompt-cache shares need the proxy's
 counters); `duration` runs from the first turn sent to the last answer. The result JSON is the
 single-turn benchmark's (report.build_result: vLLM's keys over every turn) with `by_turn`,
-`cache`, `num_conversations`, `num_turns` and one `requests` entry per turn (its conversation,
-turn index and messages added).
+`cache`, `routed`, `num_conversations`, `num_turns` and one `requests` entry per turn (its
+conversation, turn index and messages added).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from benchmarks.serving.turn_metrics import (
     by_turn_dict,
     cache_shares,
     format_turn_table,
+    routed,
 )
 
 
@@ -140,14 +141,16 @@ async def benchmark_conversations(
     )
     groups = by_turn(turns, percentiles)
     server = prometheus.server_metrics(run.server_before, run.server_after)
-    shares = cache_shares(turns, server and server["delta"])
-    print(format_turn_table(groups, shares))
+    delta = server and server["delta"]
+    shares, paths = cache_shares(turns, delta), routed(delta)
+    print(format_turn_table(groups, shares, paths))
     result = report.build_result(metrics, run, args, model, cfg)
     result.update(
         num_conversations=len(conversations),
         num_turns=conv.num_turns,
         by_turn=by_turn_dict(groups),
         cache=shares.to_dict(),
+        routed=paths,
         requests=[t.to_dict() for t in turns],
     )
     if cfg.result_file:

@@ -9,12 +9,15 @@
                    served    the streamed answers' `usage.prompt_tokens_details.cached_tokens` over
                              their `prompt_tokens`: what the worker that answered (D in P/D, the
                              lone worker otherwise) took from its cache (None if no usage said)
+    routed         the proxy's `pdserve_proxy_routed_total` deltas, "path/reason" → requests: how
+                   many turns went through P at all (a prompt D already holds goes to D alone)
 
 The aggregate metrics (throughput, goodput, pooled latencies) are benchmarks/serving/metrics.py's.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 
 from benchmarks.serving.client import RequestRecord
@@ -23,6 +26,7 @@ from benchmarks.serving.metrics import LatencyStats, latency_stats, latency_valu
 TURN_METRICS = ("ttft", "tpot", "itl")
 PREFILL_CACHED = "pdserve_proxy_prefill_cached_tokens_total"
 PREFILL_PROMPT = "pdserve_proxy_prefill_prompt_tokens_total"
+ROUTED = re.compile(r'pdserve_proxy_routed_total\{path="([^"]*)",reason="([^"]*)"\}')
 
 
 @dataclass
@@ -101,6 +105,16 @@ def cache_shares(turns: list[Turn], server_delta: dict[str, float] | None) -> Ca
     )
 
 
+def routed(server_delta: dict[str, float] | None) -> dict[str, int]:
+    """{"disaggregated/pull": n, "colocated/cached_on_decode": n, ...}, the nonzero ones."""
+    out = {}
+    for key, value in (server_delta or {}).items():
+        match = ROUTED.fullmatch(key)
+        if match and value:
+            out["/".join(match.groups())] = int(value)
+    return out
+
+
 def by_turn_dict(groups: dict[str, dict]) -> dict[str, dict]:
     """JSON-ready: vLLM-style keys per group (median_ttft_ms, p99_itl_ms, ...)."""
     out = {}
@@ -119,7 +133,7 @@ def _flat(metric: str, stats: LatencyStats) -> dict[str, float | None]:
     return row
 
 
-def format_turn_table(groups: dict[str, dict], shares: CacheShares) -> str:
+def format_turn_table(groups: dict[str, dict], shares: CacheShares, paths: dict[str, int]) -> str:
     def ms(value: float | None) -> str:
         return f"{value:9.1f}" if value is not None else f"{'-':>9}"
 
@@ -133,6 +147,8 @@ def format_turn_table(groups: dict[str, dict], shares: CacheShares) -> str:
     lines.append(" Prompt tokens served from cache ".center(72, "-"))
     lines.append(f"{'on P (proxy counters):':<40} {_share(shares.prefill_share)}")
     lines.append(f"{'by the answering worker (usage):':<40} {_share(shares.served_share)}")
+    for path, num in sorted(paths.items()):
+        lines.append(f"{'routed ' + path + ':':<40} {num}")
     lines.append("=" * 72)
     return "\n".join(lines)
 
