@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from benchmarks.serving.client import RequestRecord
 from benchmarks.serving.conversations import (
     ConversationConfig,
     bundled_sharegpt_path,
@@ -15,6 +16,14 @@ from benchmarks.serving.conversations import (
     human_turns,
     read_whole_records,
     sharegpt_conversations,
+)
+from benchmarks.serving.prometheus import sample_key
+from benchmarks.serving.turn_metrics import (
+    PREFILL_CACHED,
+    PREFILL_PROMPT,
+    Turn,
+    cache_shares,
+    routed,
 )
 from tests.test_bench_serve import bench
 
@@ -102,4 +111,35 @@ def test_multiturn_run_sends_each_turn_the_answers_it_got(server, tmp_path):
     assert cache["prefill_share"] is None  # no proxy in front: no P counters
     assert cache["served_prompt_tokens"] == result["total_input_tokens"]
     assert 0 <= cache["served_share"] <= 1
+    assert result["routed"] == {}  # no proxy in front
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
+
+
+def test_cache_shares_and_routed_paths_from_proxy_counters():
+    """The keys as benchmarks/serving/prometheus.py writes the proxy's samples."""
+    routed_key = "pdserve_proxy_routed_total"
+    delta = {
+        PREFILL_CACHED: 30.0,
+        PREFILL_PROMPT: 120.0,
+        sample_key(routed_key, {"reason": "pull", "path": "disaggregated"}): 2.0,
+        sample_key(routed_key, {"path": "colocated", "reason": "cached_on_decode"}): 5.0,
+        sample_key(routed_key, {"path": "colocated", "reason": "short_prompt"}): 0.0,
+    }
+    told = RequestRecord(success=True, prompt_len=100, cached_tokens=64)
+    silent = RequestRecord(success=True, prompt_len=50)  # no usage details: not counted
+    failed = RequestRecord(success=False, prompt_len=70, cached_tokens=70)
+    turns = [Turn(0, k, [], r) for k, r in enumerate((told, silent, failed), start=1)]
+    shares = cache_shares(turns, delta)
+    assert (shares.prefill_share, shares.served_share) == (0.25, 0.64)
+    assert cache_shares(turns, None).prefill_share is None  # no proxy, no P counters
+    assert routed(delta) == {"disaggregated/pull": 2, "colocated/cached_on_decode": 5}
+
+
+def test_multiturn_arguments_that_make_no_sense_are_argparse_errors():
+    for args, message in (
+        (["--endpoint-type", "completions"], "needs --endpoint-type chat"),
+        (["--endpoint-type", "chat", "--request-rate", "2"], "no --request-rate"),
+        (["--endpoint-type", "chat", "--multiturn-turns", "0"], "must be >= 1"),
+    ):
+        proc = bench("--dataset-name", "multiturn", *args, timeout=30)
+        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from benchmarks.serving.client import ENDPOINT_TYPES
@@ -51,8 +52,15 @@ class BenchConfig:
             )
         if not all(0 <= p <= 100 for p in self.percentiles):
             raise ValueError(f"--metric-percentiles must be in [0, 100]: {self.percentiles}")
-        if self.conversations is not None and self.endpoint_type != "chat":
-            raise ValueError("a multi-turn dataset needs --endpoint-type chat")
+        if self.conversations is not None:
+            if self.endpoint_type != "chat":
+                raise ValueError("a multi-turn dataset needs --endpoint-type chat")
+            load = self.load
+            if load.request_rate != math.inf or load.num_warmups or load.duration:
+                raise ValueError(
+                    "a multi-turn run paces itself (--max-concurrency, --multiturn-think-time):"
+                    " no --request-rate, --num-warmups or --duration"
+                )
         for name, limit in self.slos_ms.items():
             if name not in SLO_METRICS or limit < 0:
                 raise ValueError(f"--goodput: bad SLO {name}:{limit}")
