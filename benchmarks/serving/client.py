@@ -8,6 +8,8 @@ characters are not complete yet) — except chat's opening chunk that carries on
     e2el        send → the end of the stream (`data: [DONE]`)
     output_len  `usage.completion_tokens` of the final usage chunk, else the token chunks
     prompt_len  `usage.prompt_tokens`, else the sample's (estimated) length
+    cached_tokens  `usage.prompt_tokens_details.cached_tokens` (None if the server says nothing)
+    generated_text  the streamed text, concatenated (a multi-turn chat's next history needs it)
 
 A failed request has a reason (the keys of the `failures` count): `http_<status>`, `timeout`
 (past the per-request timeout), `connection_error`, `transport_error` (the connection broke
@@ -56,7 +58,7 @@ class Endpoint:
             "ignore_eos": self.ignore_eos,  # vLLM's extension: exactly max_tokens tokens
         }
         if self.is_chat:
-            body["messages"] = [{"role": "user", "content": sample.prompt}]
+            body["messages"] = sample.messages or [{"role": "user", "content": sample.prompt}]
             body["max_completion_tokens"] = sample.expected_output_len
         else:
             body["prompt"] = sample.prompt
@@ -82,6 +84,8 @@ class RequestRecord:
     output_len: int = 0
     expected_output_len: int = 0
     start_time: float = 0.0  # since the benchmark started
+    cached_tokens: int | None = None
+    generated_text: str = ""
 
 
 class RequestFailed(Exception):
@@ -171,13 +175,20 @@ def _read_event(event: dict, is_chat: bool, record: RequestRecord) -> bool:
     if usage:
         record.output_len = usage.get("completion_tokens") or record.output_len
         record.prompt_len = usage.get("prompt_tokens") or record.prompt_len
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            record.cached_tokens = details["cached_tokens"]
     choices = event.get("choices") or []
     if not choices:
         return False
     choice = choices[0]
-    if not is_chat or choice.get("finish_reason") is not None:
+    if not is_chat:
+        record.generated_text += choice.get("text") or ""
         return True
     delta = choice.get("delta") or {}
+    record.generated_text += delta.get("content") or ""
+    if choice.get("finish_reason") is not None:
+        return True
     return not (delta.get("role") and not delta.get("content"))  # not the role-only opener
 
 

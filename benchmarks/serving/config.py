@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from benchmarks.serving.client import ENDPOINT_TYPES
+from benchmarks.serving.conversations import ConversationConfig
 from benchmarks.serving.datasets import DatasetConfig
 from benchmarks.serving.metrics import LATENCY_METRICS, SLO_METRICS
 from benchmarks.serving.runner import LoadConfig
@@ -22,6 +24,7 @@ class BenchConfig:
     ignore_eos: bool = True
     temperature: float = 0.0
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    conversations: ConversationConfig | None = None  # a multi-turn run (then no `dataset`)
     load: LoadConfig = field(default_factory=LoadConfig)
     percentile_metrics: tuple[str, ...] = LATENCY_METRICS
     percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
@@ -49,6 +52,15 @@ class BenchConfig:
             )
         if not all(0 <= p <= 100 for p in self.percentiles):
             raise ValueError(f"--metric-percentiles must be in [0, 100]: {self.percentiles}")
+        if self.conversations is not None:
+            if self.endpoint_type != "chat":
+                raise ValueError("a multi-turn dataset needs --endpoint-type chat")
+            load = self.load
+            if load.request_rate != math.inf or load.num_warmups or load.duration:
+                raise ValueError(
+                    "a multi-turn run paces itself (--max-concurrency, --multiturn-think-time):"
+                    " no --request-rate, --num-warmups or --duration"
+                )
         for name, limit in self.slos_ms.items():
             if name not in SLO_METRICS or limit < 0:
                 raise ValueError(f"--goodput: bad SLO {name}:{limit}")

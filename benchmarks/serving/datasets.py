@@ -42,6 +42,7 @@ class SampleRequest:
     prompt: str | list[int]  # text, or token ids (random dataset, completions)
     prompt_len: int  # exact for token ids, estimated for text
     expected_output_len: int
+    messages: list[dict] | None = None  # chat: the whole history, instead of `prompt` alone
 
 
 @dataclass(frozen=True)

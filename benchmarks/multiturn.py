@@ -1,0 +1,187 @@
+"""Multi-turn chats: one worker alone vs the local P/D cluster (issue 39's table).
+
+Two systems, both up for the whole study (the idle one sleeps), on this machine's cores:
+
+    alone    one decode worker, `--kv-connector none`, on every core; the client talks to it
+    cluster  1 P + 1 D + the proxy as `deploy.local` starts them (the cores split between P and
+             D, KV events on, KV over NIXL, pull); the client talks to the proxy
+
+and issue 39's two workloads, `benchmarks/serve.py --dataset-name multiturn` in-process: each
+conversation's turn k sends the earlier user messages and the answers the server streamed
+(~70-word user messages, greedy, ignore_eos, no think time, one conversation in flight per chat):
+
+    4 chats x 6 turns, 32-token answers
+    2 chats x 4 turns, 128-token answers
+
+Each round runs every workload on both systems, alternating which goes first; a round has its own
+seeds (the same for both systems), so no round finds the last one's prompts cached. Each system
+is warmed up once with a short conversation first. Every run is bounded (`--run-timeout`).
+
+    .venv/bin/python -m benchmarks.multiturn [--rounds 2] [--model DIR] [--quick] [--json OUT]
+
+Prints, per workload and system, TTFT p50 of turns 2+ and req/s (the median over rounds, each
+round's in brackets), the ratio cluster/alone, the share of prompt tokens served from cache (the
+last round's) and how many turns the proxy sent through P at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+from benchmarks.cluster import Bench, LocalConfig
+from benchmarks.serving.config import BenchConfig
+from benchmarks.serving.conversations import ConversationConfig, load_conversations
+from benchmarks.serving.multiturn import benchmark_conversations
+from benchmarks.serving.runner import LoadConfig
+
+QUIET = ("--log-level", "warning")
+SYSTEMS = ("alone", "cluster")
+WORKLOADS = {
+    "4 chats x 6 turns, 32-token answers": ConversationConfig(
+        num_conversations=4, num_turns=6, user_len=70, output_len=32
+    ),
+    "2 chats x 4 turns, 128-token answers": ConversationConfig(
+        num_conversations=2, num_turns=4, user_len=70, output_len=128
+    ),
+}
+QUICK = {
+    "2 chats x 2 turns, 8-token answers": ConversationConfig(
+        num_conversations=2, num_turns=2, user_len=20, output_len=8
+    ),
+}
+WARM_UP = ConversationConfig(num_conversations=1, num_turns=2, user_len=20, output_len=8)
+TTFT = "median_ttft_ms"  # of by_turn["2+"]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--model", help="an HF-format folder (default: the built-in default model)")
+    p.add_argument("--quick", action="store_true", help="one tiny workload: a smoke test")
+    p.add_argument("--run-timeout", type=float, default=600.0, help="s, one workload's run")
+    p.add_argument("--request-timeout", type=float, default=120.0, help="s, one turn")
+    p.add_argument("--json", type=Path, help="write every run's aggregates here")
+    args = p.parse_args()
+    if args.rounds < 1 or not args.run_timeout > 0:
+        p.error("--rounds must be >= 1 and --run-timeout > 0")
+    return args
+
+
+def start_systems(bench: Bench, model: str | None) -> dict[str, str]:
+    """The lone worker on every core and the cluster; the URL each is measured at."""
+    cores = sorted(os.sched_getaffinity(0))
+    model_args = ("--model", model) if model else ()
+    cluster = bench.cluster(
+        LocalConfig(model=model, port=0, worker_args=QUIET, proxy_args=QUIET, is_kv_events=True)
+    )
+    alone_args = [*model_args, *QUIET, "--kv-connector", "none"]
+    cpus = ",".join(map(str, cores))
+    alone = bench.worker("alone", "decode", alone_args, cores=cpus, threads=len(cores))
+    bench.wait_ready(cluster)
+    bench.wait_ok(f"{alone.url}/health")
+    return {"alone": alone.url, "cluster": cluster.proxy.url}
+
+
+def run(url: str, conv: ConversationConfig, seed: int, args: argparse.Namespace) -> dict:
+    """One multi-turn run in-process (it prints its tables); its aggregates."""
+    cfg = BenchConfig(
+        base_url=url,
+        endpoint_type="chat",
+        request_timeout=args.request_timeout,
+        num_prompts=conv.num_conversations * conv.num_turns,
+        seed=seed,
+        conversations=conv,
+        load=LoadConfig(max_concurrency=conv.num_conversations, show_progress=False),
+    )
+    system, conversations = load_conversations(conv, seed)
+    coroutine = benchmark_conversations(cfg, system, conversations, {})
+    result = asyncio.run(asyncio.wait_for(coroutine, args.run_timeout))
+    return {k: v for k, v in result.items() if k not in ("requests", "server_metrics", "args")}
+
+
+def study(bench: Bench, urls: dict[str, str], args: argparse.Namespace) -> dict:
+    workloads = QUICK if args.quick else WORKLOADS
+    for system, url in urls.items():
+        print(f"\n#### {system}: warm-up", flush=True)
+        run(url, WARM_UP, 999, args)
+    results: dict[str, dict[str, list[dict]]] = {w: {s: [] for s in urls} for w in workloads}
+    for r in range(args.rounds):
+        for i, (name, conv) in enumerate(workloads.items()):
+            order = list(urls) if (r + i) % 2 == 0 else list(urls)[::-1]
+            for system in order:
+                bench.check_alive()
+                load = os.getloadavg()[0]
+                print(f"\n#### round {r + 1}: {name} on {system} (load {load:.2f})", flush=True)
+                result = run(urls[system], conv, seed=100 * r + i, args=args)
+                results[name][system].append({"load_avg_1m_before": load, **result})
+    return results
+
+
+def markdown_table(results: dict) -> str:
+    lines = [
+        "| workload | TTFT p50 turns 2+ (ms): alone | cluster | cluster/alone "
+        "| req/s: alone | cluster | cluster/alone | cached on P | cached on D (alone) "
+        "| turns via P |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, by_system in results.items():
+        ttft = {s: [r["by_turn"]["2+"][TTFT] for r in runs] for s, runs in by_system.items()}
+        rps = {s: [r["request_throughput"] for r in runs] for s, runs in by_system.items()}
+        cache = {s: runs[-1]["cache"] for s, runs in by_system.items()}
+        cells = [
+            *_pair(ttft, "{:.0f}"),
+            *_pair(rps, "{:.2f}"),
+            _pct(cache["cluster"]["prefill_share"]),
+            f"{_pct(cache['cluster']['served_share'])} ({_pct(cache['alone']['served_share'])})",
+            _via_p(by_system["cluster"]),
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _pair(values: dict[str, list[float]], fmt: str) -> list[str]:
+    a, c = statistics.median(values["alone"]), statistics.median(values["cluster"])
+
+    def cell(v: float, each: list[float]) -> str:
+        return fmt.format(v) + " [" + ", ".join(fmt.format(x) for x in each) + "]"
+
+    return [cell(a, values["alone"]), cell(c, values["cluster"]), f"{c / a:.2f}"]
+
+
+def _via_p(runs: list[dict]) -> str:
+    """Turns the proxy sent through P, of all, over every round."""
+    via = sum(n for r in runs for path, n in r["routed"].items() if path.startswith("disagg"))
+    return f"{via}/{sum(r['completed'] + r['failed'] for r in runs)}"
+
+
+def _pct(share: float | None) -> str:
+    return "-" if share is None else f"{share:.0%}"
+
+
+def main() -> None:
+    args = parse_args()
+    started, load_start = time.monotonic(), os.getloadavg()
+    with Bench("multiturn") as bench:
+        urls = start_systems(bench, args.model)
+        affinity = bench.cpu_affinity()
+        results = study(bench, urls, args)
+    minutes = (time.monotonic() - started) / 60
+    print(f"\n## Multi-turn: alone vs cluster ({args.rounds} rounds, {minutes:.1f} min)")
+    load_end = os.getloadavg()[0]
+    print(f"cores: {affinity}; load average at start {load_start[0]:.2f}, end {load_end:.2f}")
+    print(markdown_table(results))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"rounds": args.rounds, "model": args.model, "affinity": affinity, "runs": results}
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"Wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
