@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import sys
 
-import httpx
-
 from benchmarks.serving import plots, report
-from benchmarks.serving.client import Endpoint, first_model
+from benchmarks.serving.client import connected
 from benchmarks.serving.config import BenchConfig
 from benchmarks.serving.datasets import SampleRequest
 from benchmarks.serving.metrics import compute_metrics
@@ -19,19 +17,8 @@ from benchmarks.serving.runner import run_benchmark
 async def benchmark(cfg: BenchConfig, samples: list[SampleRequest], args: dict) -> dict:
     """Send `samples` as `cfg` says; print the table; write the result file and plots."""
     concurrency = cfg.load.max_concurrency
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    timeout = httpx.Timeout(cfg.request_timeout, connect=min(10.0, cfg.request_timeout))
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        model = cfg.model or await first_model(client, cfg.root_url, cfg.api_key)
-        endpoint = Endpoint(
-            cfg.root_url,
-            cfg.endpoint_type,
-            model,
-            cfg.api_key,
-            cfg.ignore_eos,
-            cfg.temperature,
-            cfg.request_timeout,
-        )
+    async with connected(cfg, cfg.endpoint_type, concurrency) as (client, endpoint):
+        model = endpoint.model
         burst = "Poisson process" if cfg.load.burstiness == 1.0 else "Gamma distribution"
         print(f"Model: {model}  Endpoint: {endpoint.url}  Requests: {len(samples)}")
         print(f"Traffic request rate: {cfg.load.request_rate}")

@@ -20,13 +20,19 @@ mid-way), `stream_error` (an error event inside a 200 stream), `bad_chunk` (not 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import httpx
 
 from benchmarks.serving.datasets import SampleRequest
+
+if TYPE_CHECKING:
+    from benchmarks.serving.config import BenchConfig
 
 ENDPOINT_TYPES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
@@ -206,3 +212,20 @@ async def first_model(client: httpx.AsyncClient, base_url: str, api_key: str | N
         raise ModelLookupError(
             f"could not read a model id from {base_url}/v1/models ({e!r}); pass --model"
         ) from e
+
+
+@contextlib.asynccontextmanager
+async def connected(
+    cfg: BenchConfig, endpoint_type: str, num_connections: int | None
+) -> AsyncIterator[tuple[httpx.AsyncClient, Endpoint]]:
+    """A client of `num_connections` (None: no limit) and the endpoint a run sends to, its
+    model asked of the server when `cfg` names none."""
+    num = num_connections
+    limits = httpx.Limits(max_connections=num, max_keepalive_connections=num)
+    timeout = httpx.Timeout(cfg.request_timeout, connect=min(10.0, cfg.request_timeout))
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        model = cfg.model or await first_model(client, cfg.root_url, cfg.api_key)
+        yield client, Endpoint(
+            cfg.root_url, endpoint_type, model, cfg.api_key, cfg.ignore_eos, cfg.temperature,
+            cfg.request_timeout,
+        )  # fmt: skip

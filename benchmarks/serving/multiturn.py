@@ -25,7 +25,7 @@ import httpx
 from tqdm import tqdm
 
 from benchmarks.serving import prometheus, report
-from benchmarks.serving.client import Endpoint, auth_headers, first_model, send_request
+from benchmarks.serving.client import Endpoint, auth_headers, connected, send_request
 from benchmarks.serving.config import BenchConfig
 from benchmarks.serving.conversations import Conversation, ConversationConfig, history
 from benchmarks.serving.datasets import SampleRequest, estimate_tokens
@@ -104,19 +104,8 @@ async def benchmark_conversations(
     assert cfg.endpoint_type == "chat", "a multi-turn run needs the chat endpoint"
     conv, concurrency = cfg.conversations, cfg.load.max_concurrency
     num = concurrency or len(conversations)
-    limits = httpx.Limits(max_connections=num, max_keepalive_connections=num)
-    timeout = httpx.Timeout(cfg.request_timeout, connect=min(10.0, cfg.request_timeout))
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        model = cfg.model or await first_model(client, cfg.root_url, cfg.api_key)
-        endpoint = Endpoint(
-            cfg.root_url,
-            "chat",
-            model,
-            cfg.api_key,
-            cfg.ignore_eos,
-            cfg.temperature,
-            cfg.request_timeout,
-        )
+    async with connected(cfg, "chat", num) as (client, endpoint):
+        model = endpoint.model
         print(
             f"Model: {model}  Endpoint: {endpoint.url}  Conversations: {len(conversations)}"
             f" x up to {conv.num_turns} turns  Concurrency: {concurrency}",
