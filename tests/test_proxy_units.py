@@ -17,7 +17,7 @@ from proxy.policies import LeastOutstanding, PowerOfTwo, PrefixAware, RoundRobin
 from proxy.request import CHAT_PATH, COMPLETIONS_PATH, ProxyRequest
 from proxy.sse import first_token_events
 from proxy.transport import LeanTransport
-from proxy.workers import Worker
+from proxy.workers import FailedWorkers, Worker
 
 
 def workers(n: int) -> list[Worker]:
@@ -390,3 +390,50 @@ def test_decode_body_asks_for_token_ids_without_encoding_the_body_again():
     assert asked.decode_body(None, track=True) == asked.raw
     with_kv = json.loads(req.decode_body({"remote_engine_id": "e"}, track=True))
     assert with_kv["return_token_ids"] is True and with_kv["kv_transfer_params"]
+
+
+def test_a_failed_worker_is_out_of_a_requests_way_until_it_comes_back():
+    """A D that failed a request is not chosen for it again, unless its health flipped since
+    (a restarted worker is a new one): the last D of a rolling restart may take it."""
+    w, other = workers(2)
+    failed = FailedWorkers()
+    failed.add(w)
+    failed.add(other)
+    assert set(failed.excluded) == {w, other} and failed.num_failures == 2
+    w.eject("restarting")  # the health checks see it go ...
+    w.record_check(True, None, 2, 1)  # ... and come back
+    assert failed.excluded == (other,)
+    failed.add(w)  # failed again: out again, and counted
+    assert set(failed.excluded) == {w, other} and failed.num_failures == 3
+
+
+def test_a_moved_request_waits_for_a_decode_worker_coming_back():
+    """`choose_soon`: with no routable D it waits up to the health checks' readmission time
+    (interval x (successes + 1)) for one, then gives up with a 503."""
+    from common.api.errors import UnavailableError
+    from proxy.orchestrator import Orchestrator
+    from proxy.workers import WorkerPool
+
+    cfg = from_dict({"decode": ["http://d:1"], "health": {"interval": 0.2}})
+    (d,) = workers(1)
+    pool = WorkerPool("decode")
+    pool.add(d)
+    orch = Orchestrator.__new__(Orchestrator)  # the parts choose_soon uses
+    orch.cfg, orch.pools, orch.policies = cfg, {"decode": pool}, {"decode": RoundRobin()}
+    req = ProxyRequest.parse(COMPLETIONS_PATH, b'{"prompt": "hi"}', "r")
+
+    async def back_after(seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        d.record_check(True, None, 2, 1)
+
+    async def main():
+        comes_back = asyncio.create_task(back_after(0.15))
+        assert await orch.choose_soon("decode", req) is d  # waited for it
+        await comes_back
+        d.eject("gone for good")
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(UnavailableError):
+            await orch.choose_soon("decode", req)
+        assert asyncio.get_running_loop().time() - started >= 0.35  # 0.2 x (1 + 1), then 503
+
+    asyncio.run(main())
