@@ -85,6 +85,7 @@ class ProxyConfig:
     # KV-aware routing (proxy/kv_routing.py): subscribe to the workers' KV events, route by them
     kv_routing: bool = True
     cached_on_decode_tokens: int = 64  # a D holding all of a prompt but fewer: D alone; 0: off
+    reverse_pull_min_tokens: int = 32  # P reads a prefix D holds when it saves as many; 0: off
     workers: int = 0  # proxy processes on the port (proxy/processes.py); 0: one per core
     http_client: str = "lean"  # to the workers: proxy/transport.py, or httpx's own ("httpx")
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector of traces; None: no tracing
@@ -135,10 +136,9 @@ class ProxyConfig:
         for name in SECRETS:
             check_secret(name, getattr(self, name))
         check_traces_endpoint(self.otlp_traces_endpoint)
-        if self.cached_on_decode_tokens < 0:
-            raise ValueError(
-                f"cached_on_decode_tokens must be >= 0, got {self.cached_on_decode_tokens}"
-            )
+        for name in ("cached_on_decode_tokens", "reverse_pull_min_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     def _check_admission(self) -> None:
         parse_rate_limits(self.rate_limit)
@@ -285,6 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="a decode worker whose KV events show it holds all of a prompt but fewer tokens "
         "serves it alone, no prefill worker (64; 0: off)",
+    )
+    add(
+        "--reverse-pull-min-tokens",
+        type=int,
+        help="the reverse pull: a prefill worker reads the prompt prefix that the chosen decode "
+        "worker holds (its KV events) instead of computing it, when that saves at least this "
+        "many tokens of what the prefill worker holds itself (32; 0: off; pull mode)",
     )
     add(
         "--workers",

@@ -22,6 +22,10 @@ For a request, when a pool it may use has a worker with events (proxy/kv_events.
    that holds all of the prompt but fewer than `--cached-on-decode-tokens` serves it alone
    (`routed_total{path="colocated",reason="cached_on_decode"}`): computing the rest costs it
    less than a transfer. Disaggregated, D already reads only what its own cache lacks.
+4. **The reverse pull** (`reverse_gain`): when the chosen D holds a longer prefix of the prompt
+   than P (an earlier turn's answer, which D generated and P never saw) by at least
+   `--reverse-pull-min-tokens`, P reads those blocks from D instead of computing them
+   (proxy/orchestrator.py leases them on D first).
 
 `pdserve_proxy_prefix_hit_blocks{role}` counts the prompt blocks the chosen worker held, by its
 events; `pdserve_proxy_prefix_query_blocks{role}` the prompt's full blocks.
@@ -149,6 +153,18 @@ class KVRouter:
             return False
         cached = index.match(token_ids) * index.block_size
         return cached > 0 and len(token_ids) - cached < limit
+
+    def reverse_gain(self, prefill: Worker, decode: Worker, token_ids: list[int]) -> int:
+        """The reverse pull's saving: prompt tokens D holds (its events; at most all but the
+        last token) beyond those P holds or is computing."""
+        index = self.feeds.index_of(decode)
+        if not self.cfg.kv_routing or index is None:
+            return 0
+        usable = (len(token_ids) - 1) // index.block_size
+        lent = min(index.match(token_ids), usable) * index.block_size
+        own = self.feeds.index_of(prefill)
+        held = own.match(token_ids) if own is not None else 0
+        return lent - self._cached_tokens(prefill, token_ids, held)
 
     # -- prefills in flight --------------------------------------------------------------------
     @contextmanager

@@ -151,6 +151,20 @@ class ProxyMetrics:
             "Tokens recomputed on the worker that continues a moved request",
             registry=r,
         )
+        self.reverse_pulls = Counter(
+            "pdserve_proxy_reverse_pulls",
+            "Prefills offered a prompt prefix that the decode worker holds (the reverse pull), "
+            "by outcome: lent, nothing_cached (D's events were ahead of its cache), failed",
+            ["outcome"],
+            registry=r,
+        )
+        self.reverse_pull_tokens = Counter(
+            "pdserve_proxy_reverse_pull_tokens",
+            "Prompt tokens decode workers lent to prefill workers (the reverse pull)",
+            registry=r,
+        )
+        for outcome in ("lent", "nothing_cached", "failed"):
+            self.reverse_pulls.labels(outcome)
         for reason in MIGRATION_REASONS:
             self.migrations.labels(reason)
         for reason in REFUSAL_REASONS:

@@ -6,10 +6,12 @@
   (`min_disagg_tokens`, estimated), it is a batch of prompts, no P is routable, or D already
   holds all of the prompt but a few tokens (`cached_on_decode_tokens`): then D alone.
 - **Prefill.** P computes the prompt and one token and keeps the KV (pull) or writes it into
-  blocks D reserved first (push). A P that fails is ejected (connect errors) and the next one is
-  tried; when none is left the request goes to D alone. A P that the health checks eject while
-  a prefill waits on it (frozen) fails that prefill at once, retried the same way (inflight.py).
-  P's 4xx is the client's error, returned.
+  blocks D reserved first (push). In pull mode, when D holds a longer prefix of the prompt than
+  P (an earlier turn's answer), D leases those blocks first and P reads them instead of
+  computing them (the reverse pull, `--reverse-pull-min-tokens`). A P that fails is ejected
+  (connect errors) and the next one is tried; when none is left the request goes to D alone.
+  A P that the health checks eject while a prefill waits on it (frozen) fails that prefill at
+  once, retried the same way (inflight.py). P's 4xx is the client's error, returned.
 - **Decode.** D gets the client's body plus P's `kv_transfer_params`. Streamed, P's first token
   goes to the client at once and D continues after it. A D that cannot be reached before any of
   its bytes were sent is replaced by another (pull mode); a D that fails mid-stream hands each
@@ -182,13 +184,14 @@ class Orchestrator:
                 self.metrics.retries.labels("prefill").inc()
             pushing = push and decode is not None and self.cfg.mode == "push"
             push_to = await self._reserve(req, decode) if pushing else None
+            lent = None if pushing else await self._borrow_prefix(req, worker, decode, token_ids)
             started = time.perf_counter()
             span = req.trace.child("proxy.prefill", "client", **{"server.address": worker.url})
             try:
                 worker.num_outstanding += 1
                 headers = {"X-Request-Id": req.request_id, **self.internal}
                 headers.update(req.trace.headers(span))
-                body = req.prefill_body(push_to)
+                body = req.prefill_body(push_to, lent)
                 with self.kv.prefilling(worker, token_ids):
                     answer = await self.inflight.call(
                         worker, post_json(worker, req.path, body, headers, self._prefill_timeout)
@@ -204,6 +207,8 @@ class Orchestrator:
             finally:
                 worker.num_outstanding -= 1
                 req.trace.end_span(span)
+                if lent is not None:  # read (P let it go already) or not: D's lease ends
+                    self._release(decode, {"request_id": lent["remote_request_id"]})
             req.trace.set(**{"pdserve.prefill_url": worker.url})
             self.metrics.prefill.observe(time.perf_counter() - started)
             self.metrics.count_prefill_usage(answer)
@@ -213,6 +218,43 @@ class Orchestrator:
                 return None
             return Prefilled(worker, answer, params, push_to, decode if push_to else None)
         return None
+
+    async def _borrow_prefix(
+        self,
+        req: ProxyRequest,
+        prefill: Worker,
+        decode: Worker | None,
+        token_ids: list[int] | None,
+    ) -> dict | None:
+        """The reverse pull: the prompt prefix D holds beyond P's, leased on D for P to read
+        (its kv_transfer_params), when that saves `reverse_pull_min_tokens`; else None."""
+        limit = self.cfg.reverse_pull_min_tokens
+        if not limit or decode is None or token_ids is None:
+            return None
+        if self.kv.reverse_gain(prefill, decode, token_ids) < limit:
+            return None
+        span = req.trace.child("proxy.lease_prefix", "client", **{"server.address": decode.url})
+        try:
+            answer = await post_json(
+                decode,
+                "/internal/kv/lease",
+                {"token_ids": token_ids},
+                self.internal,
+                self._internal_timeout,
+            )
+        except UpstreamError as e:  # P computes the prefix: nothing is lost
+            logger.info("no prefix lent by %s: %s", decode.url, e.message)
+            self.metrics.reverse_pulls.labels("failed").inc()
+            req.trace.end_span(span, error=e.kind)
+            return None
+        req.trace.end_span(span)
+        lent = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        if not isinstance(lent, dict):
+            self.metrics.reverse_pulls.labels("nothing_cached").inc()
+            return None
+        self.metrics.reverse_pulls.labels("lent").inc()
+        self.metrics.reverse_pull_tokens.inc(answer.get("num_tokens", 0))
+        return lent
 
     async def _reserve(self, req: ProxyRequest, decode: Worker) -> dict | None:
         """Push: blocks on D for the prompt; None (pull instead) when D cannot spare them."""

@@ -102,8 +102,9 @@ class ProxyRequest:
             return len(prompt)
         return len(self.prompt_text.encode()) // 4
 
-    def prefill_body(self, push_to: dict | None) -> dict:
-        """To P: compute the prompt and the first token, keep the KV for D."""
+    def prefill_body(self, push_to: dict | None, lent: dict | None = None) -> dict:
+        """To P: compute the prompt and the first token, keep the KV for D; `lent`: read this
+        prefix of the prompt from D instead (the reverse pull)."""
         body = {k: v for k, v in self.body.items() if k not in _PREFILL_DROPS}
         body.update(max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
         if self.is_chat:
@@ -112,6 +113,8 @@ class ProxyRequest:
             body["min_tokens"] = min(body["min_tokens"], 1)
         if push_to is not None:
             body["kv_transfer_params"]["push_to"] = push_to
+        if lent is not None:
+            body["kv_transfer_params"].update(lent, do_remote_prefill=True)
         return body
 
     def decode_body(self, kv_transfer_params: dict | None, track: bool = False) -> bytes:

@@ -46,6 +46,7 @@ WORKER_ROUTES = [
     "POST /v1/chat/completions/render", "GET /v1/models", "GET /health",
     "GET /metrics", "GET /internal/kv/handshake", "POST /internal/kv/reserve",
     "POST /internal/kv/release", "GET /internal/kv/peers", "GET /internal/kv-events",
+    "POST /internal/kv/lease",
 ]  # fmt: skip
 PROXY_ROUTES = [
     "POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health",

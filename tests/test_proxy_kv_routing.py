@@ -365,6 +365,32 @@ def test_a_prompt_the_decode_worker_holds_goes_to_it_alone(cluster):
     assert through["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
 
 
+def test_the_next_turn_reads_the_answer_it_holds_from_the_decode_worker(cluster):
+    """The reverse pull: turn 2's prompt holds turn 1's answer, which D generated and no P has
+    seen. P reads the blocks D holds instead of computing them (P's own count), computes the
+    new message, and the answer is what D alone gives."""
+    c = cluster
+    first = ids(60, 100)
+    blocks_before = indexed(c.proxy, c.d)
+    answer = complete(c.proxy.url, first, max_tokens=45)["choices"][0]["token_ids"]
+    history = first + answer  # D computed the KV of all but the last token: 9 whole blocks
+    assert wait_until(lambda: indexed(c.proxy, c.d) >= blocks_before + 9, 30)
+    lent = 'pdserve_proxy_reverse_pulls_total{outcome="lent"}'
+    lent_before, tokens_before = c.proxy.metric(lent), c.proxy.metric(
+        "pdserve_proxy_reverse_pull_tokens_total"
+    )
+    reverse = 'pdserve_kv_loaded_requests_total{mode="reverse"}'
+    read_before = sum(p.metric(reverse) for p in c.prefills)
+    prompt = history + ids(61, 80)
+    through = complete(c.proxy.url, prompt)
+    assert c.proxy.metric(lent) == lent_before + 1
+    assert c.proxy.metric("pdserve_proxy_reverse_pull_tokens_total") - tokens_before == 144
+    assert wait_until(lambda: sum(p.metric(reverse) for p in c.prefills) == read_before + 1, 10)
+    assert wait_until(lambda: c.d.metric("pdserve_kv_blocks_held") == 0, 10)  # lease ended
+    alone = complete(c.d.url, prompt)
+    assert through["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+
+
 def test_without_kv_events_prefix_routing_hashes(cluster, start_server):
     c = cluster
     proxy = start_server(

@@ -97,7 +97,7 @@ def test_internal_routes_need_the_cluster_token(workers):
     _, d = workers
     routes = [("GET", "/internal/kv/handshake", None), ("POST", "/internal/kv/reserve", {})]
     routes += [("POST", "/internal/kv/release", {"request_id": "r"})]
-    routes += [("GET", "/internal/kv/peers", None)]
+    routes += [("GET", "/internal/kv/peers", None), ("POST", "/internal/kv/lease", {})]
     for method, path, body in routes:
         for headers in ({}, {"X-Internal-Token": "wrong"}, {"X-Internal-Token": TOKEN.upper()}):
             assert_error(call(d.url, method, path, body, headers), 401, "authentication_error")
@@ -107,6 +107,8 @@ def test_internal_routes_need_the_cluster_token(workers):
     assert reserved.status_code == 200, reserved.text
     release = {"reservation_id": reserved.json()["reservation_id"]}
     assert call(d.url, "POST", "/internal/kv/release", release, ok).json() == {"released": True}
+    nothing = call(d.url, "POST", "/internal/kv/lease", {"token_ids": [5, 6, 7]}, ok)
+    assert nothing.json() == {"kv_transfer_params": None, "num_tokens": 0}  # none cached
 
 
 def test_kv_transfer_params_need_the_cluster_token(workers):

@@ -7,6 +7,10 @@
 - `POST /internal/kv/reserve` `{"num_tokens"}` (or `{"completion": body}` / `{"chat": body}`, a
   client's request that this worker tokenizes): a decode worker reserves blocks for a push and
   answers the `push_to` target a prefill worker writes into.
+- `POST /internal/kv/lease` `{"token_ids"}`: a decode worker holds the leading blocks of a
+  prompt that it has cached, for a prefill worker to read instead of computing them (the
+  reverse pull); answers their `kv_transfer_params` and how many tokens they hold (0 and null:
+  none are cached). The lease ends like a prefill lease (`/internal/kv/release` included).
 - `GET /internal/kv-events`: where a router subscribes to this worker's KV events
   (`--kv-events-endpoint`): connectable endpoints, topic, block size and engine id; the
   endpoint is null when events are off (proxy/kv_events.py subscribes).
@@ -54,6 +58,10 @@ class ReserveRequest(BaseModel):
     num_tokens: int | None = Field(default=None, gt=0)
     completion: dict | None = None  # a client's /v1/completions body: its prompt's tokens
     chat: dict | None = None  # a client's /v1/chat/completions body
+
+
+class LeaseRequest(BaseModel):
+    token_ids: list[int] = Field(min_length=2)  # a prompt: at least one token is computed
 
 
 def check_internal_token(state: ServerState, request: Request) -> None:
@@ -171,6 +179,22 @@ def install_internal_routes(app: FastAPI, state: ServerState) -> None:
             "port": cfg.advertise_port,
             "write_by": res.write_by,  # P writes nothing after this (unix time, our clock)
         }
+
+    @app.post("/internal/kv/lease", openapi_extra=json_body_openapi(LeaseRequest))
+    async def lease(request: Request):
+        check_internal_token(state, request)
+        body = _parse(LeaseRequest, await read_json_body(request, state.cfg.max_body_bytes))
+        engine, _ = _connector(state)
+        if len(body.token_ids) > engine.engine.max_model_len:
+            raise InvalidRequestError(
+                f"{len(body.token_ids)} token ids are more than max_model_len "
+                f"{engine.engine.max_model_len}",
+                param="token_ids",
+            )
+        params = await asyncio.wrap_future(engine.call(engine.engine.lease_prefix, body.token_ids))
+        block_size = engine.engine.config.cache.block_size
+        num_tokens = len(params["remote_block_ids"]) * block_size if params else 0
+        return {"kv_transfer_params": params, "num_tokens": num_tokens}
 
 
 def _num_prompt_tokens(llm, body: ReserveRequest) -> int:

@@ -5,7 +5,9 @@ Params that name a peer (a prefill worker to read from, a decode worker to push 
 strictly (400 if malformed) and the peer made known (`Peers.ensure`, common/kv_transfer/peers.py:
 a handshake the first time). A peer whose KV differs is a 400 that names what differs. A prefill
 worker that cannot be reached is computed here instead under `--kv-load-failure-policy
-recompute`, else a 503; a decode worker that cannot be pushed into is a 503.
+recompute`, else a 503; a decode worker that cannot be pushed into is a 503; a decode worker
+whose prompt prefix P was to read (the reverse pull) is computed here instead, whatever the
+policy.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from common.kv_transfer.params import (
     push_target,
     wants_remote_decode,
     wants_remote_prefill,
+    without_prefix,
 )
 from common.kv_transfer.peers import PeerIncompatible, Peers, PeerUnreachable
 
@@ -55,6 +58,10 @@ async def resolve_kv_params(state: ServerState, raw: dict | None, request: Reque
         return raw
     where = (remote.remote_engine_id, remote.remote_host, remote.remote_port)
     why = await _reach(peers, *where, request)
+    if why is not None and remote.prefix_only:  # a decode worker's prefix: computed here
+        logger.warning("%s: computing the prompt's prefix here", why)
+        state.metrics.recomputed.labels(reason="prefix_unreachable").inc()
+        return without_prefix(raw)
     return raw if why is None else _unreachable(state, remote, why)
 
 

@@ -34,7 +34,7 @@ _LATENCY_BUCKETS = (
 )
 
 
-LOAD_MODES = ("pull", "push")
+LOAD_MODES = ("pull", "push", "reverse")  # reverse: P read a prompt prefix from D
 RECOMPUTE_REASONS = (
     "read_failed",
     "lease_expired",
@@ -42,6 +42,7 @@ RECOMPUTE_REASONS = (
     "remote_blocks_mismatch",
     "push_incomplete",
     "prefill_unreachable",
+    "prefix_unreachable",  # P: the decode worker that lent a prefix could not be reached
 )
 
 
@@ -213,7 +214,9 @@ class ServerMetrics:
             )
         }
         self.blocks_held = Gauge(
-            "pdserve_kv_blocks_held", "Blocks a prefill worker holds for remote readers", registry=r
+            "pdserve_kv_blocks_held",
+            "Blocks held for remote readers (P: prompts for D; D: prefixes lent to P)",
+            registry=r,
         )
         self.blocks_in_transfer = Gauge(
             "pdserve_kv_blocks_in_transfer",
@@ -232,13 +235,15 @@ class ServerMetrics:
         )
         self.loaded_requests = Counter(
             "pdserve_kv_loaded_requests",
-            "Remote-prefill requests decoded from transferred KV, by mode",
+            "Requests computed from transferred KV, by mode: pull, push (decode worker), "
+            "reverse (prefill worker, a prompt prefix read from a decode worker)",
             ["mode"],
             registry=r,
         )
         self.recomputed = Counter(
             "pdserve_kv_recomputed",
-            "Remote-prefill requests whose prompt was computed here instead, by reason",
+            "Requests whose transferred KV (prompt, or prefix on a prefill worker) was "
+            "computed here instead, by reason",
             ["reason"],
             registry=r,
         )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -217,6 +218,15 @@ class LLMEngine:
             self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
             self.outputs.remove(child.request_id)
             self._children.pop(child.request_id, None)
+
+    def lease_prefix(self, token_ids: list[int]) -> dict | None:
+        """D, the reverse pull: hold the leading blocks of a prompt that this worker has cached
+        for a prefill worker to read; the `kv_transfer_params` it reads them with, or None when
+        none are cached."""
+        blocks = self.scheduler.kv.take_cached_prefix(token_ids)
+        if not blocks:
+            return None
+        return self.connector.lease_prefix(f"prefix-{uuid.uuid4().hex}", blocks)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished or self.remote.has_ready

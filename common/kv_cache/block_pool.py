@@ -96,8 +96,8 @@ class BlockPool:
             block.ref_count += 1
 
     # -- prefix cache ---------------------------------------------------------------------------
-    def lookup(self, block_hashes: list[int]) -> list[Block]:
-        """The longest run of leading hashes that are cached."""
+    def lookup(self, block_hashes: list[int], count: bool = True) -> list[Block]:
+        """The longest run of leading hashes that are cached; `count`: in the hit rate."""
         hits: list[Block] = []
         if self.enable_prefix_caching:
             for h in block_hashes:
@@ -105,8 +105,9 @@ class BlockPool:
                 if block is None:
                     break
                 hits.append(block)
-        self.num_queries += len(block_hashes)
-        self.num_hits += len(hits)
+        if count:
+            self.num_queries += len(block_hashes)
+            self.num_hits += len(hits)
         return hits
 
     def cache(self, block: Block, block_hash: int) -> bool:

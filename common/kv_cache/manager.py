@@ -50,6 +50,15 @@ class KVCacheManager:
         hits = self.pool.lookup(seq.block_hashes[:max_blocks])
         return hits, len(hits) * self.block_size
 
+    def take_cached_prefix(self, token_ids: list[int]) -> list[Block]:
+        """The cached leading blocks of a prompt, at most all but its last token, each now
+        referenced for the caller (who frees them): what a reader may copy while they are held."""
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hashes = chain_hashes(token_ids[: max_blocks * self.block_size], self.block_size, [])
+        hits = self.pool.lookup(hashes, count=False)
+        self.pool.touch(hits)
+        return hits
+
     def allocate_slots(
         self, seq: CacheSeq, num_new_tokens: int, computed: list[Block] | None = None
     ) -> bool:
@@ -89,9 +98,12 @@ class KVCacheManager:
 
     def _update_hashes(self, seq: CacheSeq) -> None:
         """Extend the sequence's hash chain over the full blocks it has now."""
-        tokens = seq.all_token_ids
-        num_full = len(tokens) // self.block_size
-        for i in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-            seq.block_hashes.append(hash_block(parent, chunk))
+        chain_hashes(seq.all_token_ids, self.block_size, seq.block_hashes)
+
+
+def chain_hashes(tokens: list[int], block_size: int, hashes: list[int]) -> list[int]:
+    """`hashes` (a chain over the first blocks of `tokens`) extended over every full block."""
+    for i in range(len(hashes), len(tokens) // block_size):
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block(parent, tuple(tokens[i * block_size : (i + 1) * block_size])))
+    return hashes

@@ -33,6 +33,10 @@ Scheduler side (the engine calls these between steps, on the same thread):
   `release_reservation(id)` gives one up.
 - Leases (P): `release_lease(request_id)` frees blocks held for a reader that gave up;
   `notify_release(remote)` (D) tells the prefill worker so, for a request it will not read.
+- The reverse pull (D): `lease_prefix(lease_id, blocks)` holds a prompt's cached leading blocks
+  (already referenced) under a lease for a prefill worker to read, and answers the
+  `kv_transfer_params` (`prefix_only`) it reads them with; the lease ends like P's (the reader's
+  release, `release_lease`, expiry). P reads them as D reads a prompt, and computes the rest.
 - `count_loaded(mode)` / `count_recomputed(reason)`: where each remote-prefill request's KV
   came from, for metrics (`pdserve_kv_loaded_requests_total`, `pdserve_kv_recomputed_total`).
 - `stats_snapshot()`: the connector's running totals as a frozen `KVTransferStats`.
@@ -121,8 +125,8 @@ class KVTransferStats:
     num_blocks_in_transfer: int = 0
     num_blocks_quarantined: int = 0  # a failed transfer may still touch them
     num_pushes_in_flight: int = 0  # P: push requests whose writes have not settled
-    loaded_requests: dict[str, int] = field(default_factory=dict)  # D: by mode, pull | push
-    recomputed: dict[str, int] = field(default_factory=dict)  # D: by KVLoss.reason
+    loaded_requests: dict[str, int] = field(default_factory=dict)  # pull, push (D); reverse (P)
+    recomputed: dict[str, int] = field(default_factory=dict)  # by KVLoss.reason
     descriptors: dict[str, DescriptorHistogram] = field(default_factory=dict)  # read | write
     seconds: dict[str, SecondsHistogram] = field(default_factory=dict)  # read | write, a request
 
@@ -222,6 +226,10 @@ class KVConnector(ABC):
     def release_lease(self, request_id: str) -> bool:
         """P: free the blocks held for a reader of `request_id`; False if none are."""
         return False
+
+    def lease_prefix(self, lease_id: str, blocks: list[Block]) -> dict:
+        """D: hold `blocks` for a prefill worker to read (the reverse pull); its params."""
+        raise NotImplementedError(f"{type(self).__name__} lends no KV")
 
     def notify_release(self, remote: RemotePrefill) -> None:  # noqa: B027
         """D: tell the prefill worker it may free a request's blocks (also for requests D will

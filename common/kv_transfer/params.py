@@ -6,6 +6,10 @@ the prompt's KV from); the proxy hands that to D. In push mode the request to P 
 with `push_reservation_id` instead of blocks to read. Extra fields ride along: `first_token_id` (P's
 sampled first token, which D then treats as generated) and `first_token_streamed` (the proxy
 already sent it to the client, so D's stream starts at the second token).
+
+The reverse pull: a request to P may also carry `do_remote_prefill` with `prefix_only` and a
+decode worker's blocks (`POST /internal/kv/lease` on D): the leading blocks of the prompt that D
+holds from an earlier turn, which P reads instead of computing them; P computes the rest.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ class KVLoss:
 
     reason: str  # read_failed | lease_expired | checksum_mismatch | push_incomplete | ...
     message: str
+    from_prefix: bool = False  # P's read of D's prefix (reverse pull): always recomputed
 
     def __str__(self) -> str:
         return self.message
@@ -43,6 +48,7 @@ class RemotePrefill:
     push_reservation_id: str | None = None  # push mode: the KV was written into these blocks
     kv_checksums: list[list[int]] | None = None  # per layer, per block (--kv-checksum on P)
     read_by: float | None = None  # unix time (P's clock): reads must be done by then (lease)
+    prefix_only: bool = False  # the blocks hold a prefix of the prompt: the rest is computed
     do_remote_prefill: bool = True
 
     @classmethod
@@ -64,6 +70,7 @@ class RemotePrefill:
                 push_reservation_id=_optional(raw.get("push_reservation_id"), _text),
                 kv_checksums=_checksums(raw.get("kv_checksums")),
                 read_by=_optional_float(raw.get("read_by")),
+                prefix_only=_flag(raw.get("prefix_only", False)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise KVTransferParamsError(
@@ -79,8 +86,11 @@ class RemotePrefill:
         """D, pull mode: why these blocks cannot hold this prompt's KV, or None. P sends one
         block per `block_size` prompt tokens, each in its pool, and (--kv-checksum) one
         checksum per block per layer; a list of any other length would decode over blocks
-        that were never written, or check only some of them."""
+        that were never written, or check only some of them. A prefix (`prefix_only`, the
+        reverse pull) is whole blocks that leave at least one prompt token to compute."""
         ids, expected = self.remote_block_ids, -(-num_prompt_tokens // block_size)
+        if self.prefix_only:
+            expected = min(len(ids), (num_prompt_tokens - 1) // block_size)
         if len(ids) != expected:
             why = f"{len(ids)} remote_block_ids for a prompt of {num_prompt_tokens} tokens"
             return KVLoss("remote_blocks_mismatch", f"{why} ({expected} blocks)")
@@ -153,6 +163,11 @@ def wants_remote_decode(raw: dict[str, Any] | None) -> bool:
 
 def wants_remote_prefill(raw: dict[str, Any] | None) -> bool:
     return bool(raw) and bool(raw.get("do_remote_prefill"))
+
+
+def without_prefix(raw: dict[str, Any]) -> dict[str, Any]:
+    """P: the params less a decode worker's prefix to read (it cannot be: computed instead)."""
+    return {**raw, "do_remote_prefill": False}
 
 
 @dataclass(frozen=True)

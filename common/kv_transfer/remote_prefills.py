@@ -180,8 +180,10 @@ class RemotePrefills:
         return [req for req in changed if req.request_id not in self._sending]
 
     def _lose(self, req: Request, loss: KVLoss) -> None:
-        """The failure policy: compute the prompt here, or fail the request with why."""
-        if self.cfg.failure_policy == "recompute":
+        """The failure policy: compute the prompt here, or fail the request with why. A prefix
+        P could not read from D (the reverse pull) is computed here whatever the policy: the
+        read only saves work."""
+        if self.cfg.failure_policy == "recompute" or loss.from_prefix:
             logger.warning("%s: computing %s locally", loss, req.request_id)
             self.connector.count_recomputed(loss.reason)
             self.queue.recompute(req)

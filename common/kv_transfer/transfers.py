@@ -85,7 +85,7 @@ class TransferStats:
     descriptors_a_layer: DescriptorHistogram = field(default_factory=DescriptorHistogram)
     seconds_a_request: SecondsHistogram = field(default_factory=SecondsHistogram)
     num_checksum_failures: int = 0
-    loaded_requests: Counter = field(default_factory=Counter)  # D: by mode, pull | push
+    loaded_requests: Counter = field(default_factory=Counter)  # pull, push (D); reverse (P)
     recomputed: Counter = field(default_factory=Counter)  # D: by KVLoss.reason
 
 

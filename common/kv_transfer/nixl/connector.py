@@ -102,6 +102,9 @@ class NixlConnector(KVConnector):
     def release_lease(self, request_id: str) -> bool:
         return self.scheduler.release_lease(request_id)
 
+    def lease_prefix(self, lease_id: str, blocks: list[Block]) -> dict:
+        return self.scheduler.lease_prefix(lease_id, blocks)
+
     def notify_release(self, remote: RemotePrefill) -> None:
         self.worker.notify_release(remote)
 

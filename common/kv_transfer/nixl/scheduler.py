@@ -1,9 +1,11 @@
 """The NIXL connector's scheduler half: between steps, on the engine thread, it decides what
 each request's KV does. P: a finished request's blocks go under a lease for the reader (pull)
-or its chunks are planned as WRITEs (push). D: a remote-prefill request's READ is planned once
-its blocks are allocated (and refused when its params do not fit), and blocks are reserved
-for a prefill worker to push into. It builds the step's plan (`StepMeta`) that the worker half
-carries out, and reads the peers' notifications (a lease released, a push chunk landed).
+or its chunks are planned as WRITEs (push); a prompt prefix that a decode worker lent is read
+the way D reads (the reverse pull). D: a remote-prefill request's READ is planned once its
+blocks are allocated (and refused when its params do not fit), blocks are reserved for a
+prefill worker to push into, and a prompt's cached prefix is leased for one to read. It builds
+the step's plan (`StepMeta`) that the worker half carries out, and reads the peers'
+notifications (a lease released, a push chunk landed).
 """
 
 from __future__ import annotations
@@ -85,6 +87,24 @@ class NixlScheduler:
     def release_lease(self, request_id: str) -> bool:
         return self.leases.release(request_id)
 
+    # -- D: lend a prompt's prefix to a prefill worker (the reverse pull) ---------------------
+    def lease_prefix(self, lease_id: str, blocks: list[Block]) -> dict:
+        """Hold `blocks` (referenced by the caller) for P to read; the params it reads with."""
+        block_ids = [b.block_id for b in blocks]
+        checksums = self.worker.checksums(block_ids) if self.cfg.kv_checksum else None
+        read_by = wall_deadline(self.cfg.lease_timeout)
+        self.leases.hold(lease_id, blocks)
+        return RemotePrefill(
+            remote_engine_id=self.cfg.engine_id,
+            remote_block_ids=block_ids,
+            remote_request_id=lease_id,
+            remote_host=self.cfg.advertise_host,
+            remote_port=self.cfg.advertise_port,
+            kv_checksums=checksums,
+            read_by=read_by,
+            prefix_only=True,
+        ).to_dict()
+
     # -- between steps ---------------------------------------------------------------------------
     def on_notification(self, msg: bytes) -> None:
         logger.debug("notification %r", msg)
@@ -128,8 +148,12 @@ class NixlScheduler:
 
     # -- D: plan reads -----------------------------------------------------------------------------
     def num_external_tokens(self, request: Request, num_local_cached: int) -> int:
-        if request.remote_prefill is None:
+        remote = request.remote_prefill
+        if remote is None:
             return 0
+        if remote.prefix_only:  # P, the reverse pull: D's blocks, at most all but one token
+            held = len(remote.remote_block_ids) * self.block_size
+            return max(0, min(held, request.num_tokens - 1) - num_local_cached)
         return request.num_tokens - 1 - num_local_cached
 
     def after_allocation(self, request: Request, num_local_cached: int) -> None:

@@ -12,7 +12,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from common.config import TransferConfig
 from common.kv_cache.block_pool import Block
@@ -154,7 +154,7 @@ class NixlWorker:
         """Fail closed before anything is read: the step's token is dropped."""
         logger.warning("KV load for %s refused: %s", plan.request_id, loss)
         plan.failed = True
-        self._failed[plan.request_id] = loss
+        self._failed[plan.request_id] = replace(loss, from_prefix=plan.remote.prefix_only)
 
     def take_failed(self) -> dict[str, KVLoss]:
         failed, self._failed = self._failed, {}
@@ -224,7 +224,7 @@ class NixlWorker:
         into its blocks, which stay held (quarantined once the engine lets them go)."""
         logger.warning("KV load for %s failed: %s", plan.request_id, why)
         plan.failed = True
-        self._failed[plan.request_id] = KVLoss(reason, why)
+        self._failed[plan.request_id] = KVLoss(reason, why, plan.remote.prefix_only)
         for future in plan.group.futures:
             future.cancel()
 
@@ -241,8 +241,8 @@ class NixlWorker:
             self.stats.num_failed += plan.failed
             seconds = time.perf_counter() - plan.started_at
             self.stats.seconds_loading += seconds
-            if not plan.failed:
-                self.stats.loaded_requests["pull"] += 1
+            if not plan.failed and (plan.blocks or not plan.remote.prefix_only):
+                self.stats.loaded_requests["reverse" if plan.remote.prefix_only else "pull"] += 1
                 if plan.times is not None and plan.landed_ns is not None:
                     plan.times.kv_transfer_ns = (plan.started_ns, plan.landed_ns)
                 self.stats.seconds_a_request.observe(seconds)
