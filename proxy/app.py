@@ -76,7 +76,7 @@ async def serve(proxy: Proxy, request: Request, path: str) -> Response:
         rank = proxy.admission.rank_of(key, request.headers.get("x-priority"))
         proxy.admission.check_rate(key)
         raw = await read_body(request, proxy.cfg.max_body_bytes)
-        req = ProxyRequest.parse(path, raw, rid, trace)
+        req = ProxyRequest.parse(path, raw, rid, trace, request.headers.get("x-session-id"))
         slot = await _admitted(proxy, request, rank, trace)
         response = await proxy.orchestrator.handle(req)
     except UpstreamAPIError as e:  # a worker's 4xx, as the worker wrote it

@@ -86,6 +86,9 @@ class ProxyConfig:
     kv_routing: bool = True
     cached_on_decode_tokens: int = 64  # a D holding all of a prompt but fewer: D alone; 0: off
     reverse_pull_min_tokens: int = 32  # P reads a prefix D holds when it saves as many; 0: off
+    # session affinity (proxy/sessions.py): an X-Session-ID's requests stay on its workers
+    session_affinity: bool = True
+    max_sessions: int = 100_000  # sessions remembered per pool; the least recent are forgotten
     workers: int = 0  # proxy processes on the port (proxy/processes.py); 0: one per core
     http_client: str = "lean"  # to the workers: proxy/transport.py, or httpx's own ("httpx")
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector of traces; None: no tracing
@@ -130,6 +133,8 @@ class ProxyConfig:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.workers < 0:
             raise ValueError(f"workers must be >= 0 (0: one per core), got {self.workers}")
+        if self.max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
         if self.http_client not in HTTP_CLIENTS:
             raise ValueError(f"http_client must be one of {HTTP_CLIENTS}, got {self.http_client!r}")
         self._check_admission()
@@ -279,6 +284,18 @@ def build_parser() -> argparse.ArgumentParser:
         const=False,
         help="do not subscribe to the workers' KV events: prefix routing hashes the prompt's "
         "first characters, as it does for workers that publish none",
+    )
+    add(
+        "--session-affinity",
+        action=argparse.BooleanOptionalAction,
+        help="requests with the same X-Session-ID go to the workers that served the session "
+        "last, within the load bound (default: on)",
+    )
+    add(
+        "--max-sessions",
+        type=int,
+        help="sessions remembered per pool for --session-affinity; the least recent are "
+        "forgotten (100000)",
     )
     add(
         "--cached-on-decode-tokens",

@@ -44,7 +44,7 @@ from proxy.config import ProxyConfig
 from proxy.kv_events import KVEventFeeds
 from proxy.kv_index import InFlightPrefixes
 from proxy.metrics import ProxyMetrics
-from proxy.policies import LOAD_FACTOR, RoutingPolicy
+from proxy.policies import LOAD_FACTOR, RoutingPolicy, load_bound
 from proxy.request import ProxyRequest
 from proxy.upstream import UpstreamError, post_json
 from proxy.workers import Worker, WorkerPool
@@ -139,8 +139,7 @@ class KVRouter:
         return _one_of([w for w in eligible if cached[w] == most], fallback, key)
 
     def _choose_decode(self, workers, held, fallback, key) -> Worker:
-        total = sum(w.num_outstanding for w in workers) + 1
-        bound = max(1.0, LOAD_FACTOR * total / len(workers))
+        bound = load_bound(workers)
         eligible = [w for w in workers if w.num_outstanding + 1 <= bound] or workers
         most = max(held.get(w, 0) for w in eligible)
         return _one_of([w for w in eligible if held.get(w, 0) == most], fallback, key)

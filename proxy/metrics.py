@@ -17,7 +17,9 @@ and `pdserve_proxy_prefix_query_blocks{role}` (the prompts' full blocks),
 `error_event`, `ejected`, `drain`, `truncated`), `pdserve_proxy_migrations_refused_total{reason}`
 (`limit`, `no_decode`, `untracked`, `rejected`, `unsupported`: a worker that does not
 say it continued) and
-`pdserve_proxy_migration_recomputed_tokens_total`. Each worker as this process sees it:
+`pdserve_proxy_migration_recomputed_tokens_total`. Session affinity (proxy/sessions.py):
+`pdserve_proxy_session_routed_total{role, outcome}` (`kept`, `hashed`, `moved_load`,
+`moved_gone`), the requests with an X-Session-ID. Each worker as this process sees it:
 `pdserve_proxy_worker_healthy{role, url}` (1 or 0) and `pdserve_proxy_worker_ejections_total{role,
 url}` (healthy to unhealthy, by health checks or a failed request). The reasons and roles above
 that are known in advance start at 0, so that a rate over them reads 0 rather than nothing.
@@ -37,6 +39,7 @@ ADMISSION_REASONS = ("rate_limited", "queue_full", "queue_timeout")
 MIGRATION_REASONS = ("connection", "timeout", "error_event", "ejected", "drain", "truncated")
 REFUSAL_REASONS = ("limit", "no_decode", "untracked", "rejected", "unsupported")
 UPSTREAM_ERROR_KINDS = ("connect", "timeout", "transport", "ejected")  # and http_{status}
+SESSION_OUTCOMES = ("kept", "hashed", "moved_load", "moved_gone")
 
 
 class _WorkerCollector:
@@ -123,6 +126,13 @@ class ProxyMetrics:
             ["role", "name"],
             registry=r,
         )
+        self.session_routed = Counter(
+            "pdserve_proxy_session_routed",
+            "Requests with an X-Session-ID, by role and how their worker was chosen "
+            "(proxy/sessions.py)",
+            ["role", "outcome"],
+            registry=r,
+        )
 
         self._add_admission_metrics(r)
         self._add_kv_routing_metrics(r)
@@ -130,6 +140,8 @@ class ProxyMetrics:
         r.register(_WorkerCollector(pools))
         for role in pools:
             self.retries.labels(role)
+            for outcome in SESSION_OUTCOMES:
+                self.session_routed.labels(role, outcome)
             for kind in UPSTREAM_ERROR_KINDS:
                 self.upstream_errors.labels(role, kind)
 

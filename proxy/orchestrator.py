@@ -42,6 +42,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.migration import ClientStream, MigratingRelay, Upstream
 from proxy.policies import create_policy
 from proxy.request import ProxyRequest
+from proxy.sessions import SessionAffinity
 from proxy.sse import EventStreamResponse, error_event, first_token_events
 from proxy.upstream import UpstreamError, WorkerEjected, error_message, open_stream, post_json
 from proxy.workers import FailedWorkers, Worker, WorkerPool
@@ -85,6 +86,7 @@ class Orchestrator:
         self._background: set[asyncio.Task] = set()
         self.inflight = InFlight()  # prefills, cut short when health checks eject their P
         self.kv = KVRouter(cfg, pools, kv_events, metrics)
+        self.sessions = {r: SessionAffinity(r, metrics, cfg.max_sessions) for r in self.policies}
 
     async def handle(self, req: ProxyRequest) -> Response:
         start = time.perf_counter()
@@ -161,9 +163,15 @@ class Orchestrator:
         if not workers:
             raise UnavailableError(f"no healthy {role} worker", headers={"Retry-After": "1"})
         key = req.prompt_text[: self.cfg.prefix_chars]
-        if token_ids is not None:
-            return self.kv.choose(role, workers, token_ids, self.policies[role], key)
-        return self.policies[role].choose(workers, key)
+
+        def by_prompt() -> Worker:
+            if token_ids is not None:
+                return self.kv.choose(role, workers, token_ids, self.policies[role], key)
+            return self.policies[role].choose(workers, key)
+
+        if req.session_id is not None and self.cfg.session_affinity:
+            return self.sessions[role].choose(req.session_id, workers, by_prompt)
+        return by_prompt()
 
     async def prefill(
         self,

@@ -22,6 +22,14 @@ from proxy.workers import Worker
 LOAD_FACTOR = 1.25  # how far above the average (or the best) a worker's load may be and still win
 
 
+def load_bound(workers: list[Worker], load_factor: float = LOAD_FACTOR) -> float:
+    """The most requests in flight, the next one included, a worker of `workers` may carry and
+    still take the next: `load_factor` × their average with it, at least 1 (bounded-load
+    consistent hashing). A worker is within it when `num_outstanding + 1 <= load_bound`."""
+    total = sum(w.num_outstanding for w in workers) + 1
+    return max(1.0, load_factor * total / len(workers))
+
+
 class RoutingPolicy(ABC):
     @abstractmethod
     def choose(self, workers: list[Worker], key: str) -> Worker: ...
@@ -74,8 +82,7 @@ class PrefixAware(RoutingPolicy):
 
     def choose(self, workers: list[Worker], key: str) -> Worker:
         points, owners = self._ring(workers)
-        total = sum(w.num_outstanding for w in workers) + 1
-        bound = max(1.0, self.load_factor * total / len(workers))
+        bound = load_bound(workers, self.load_factor)
         start = bisect.bisect(points, _hash(key)) % len(points)
         for i in range(len(points)):
             worker = owners[(start + i) % len(points)]

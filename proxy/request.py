@@ -1,6 +1,9 @@
 """One client request as the proxy sees it: the JSON body (opaque but for a few fields), its id,
 and the bodies derived from it for P and D.
 
+A client's `X-Session-ID` header (vllm-router's `consistent_hash` header) names the
+conversation the request belongs to: `session_id`, for session affinity (proxy/sessions.py).
+
 The proxy does not tokenize: conditional disaggregation uses an estimate of the prompt's length
 (token ids are counted exactly; text is taken as ~4 bytes per token).
 """
@@ -18,6 +21,7 @@ CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 GENERATION_PATHS = frozenset((COMPLETIONS_PATH, CHAT_PATH))
 _PREFILL_DROPS = ("stream_options", "max_completion_tokens", "logprobs", "echo")
+MAX_SESSION_ID_CHARS = 256  # a longer X-Session-ID is cut: ids that long still tell sessions apart
 
 
 @dataclass
@@ -27,18 +31,27 @@ class ProxyRequest:
     raw: bytes  # the body as received, forwarded as is where nothing changes
     request_id: str
     trace: Trace | NoTrace = NO_TRACE  # its spans (common/tracing): the calls made for it
+    session_id: str | None = None  # X-Session-ID: its conversation; None without one
 
     @classmethod
     def parse(
-        cls, path: str, raw: bytes, request_id: str, trace: Trace | NoTrace = NO_TRACE
+        cls,
+        path: str,
+        raw: bytes,
+        request_id: str,
+        trace: Trace | NoTrace = NO_TRACE,
+        session_header: str | None = None,
     ) -> ProxyRequest:
+        """`session_header`: the X-Session-ID header as received (empty: none; cut to
+        `MAX_SESSION_ID_CHARS`)."""
         body = parse_json_object(raw)
         for name in ("kv_transfer_params", "resume"):
             if body.get(name) is not None:
                 raise InvalidRequestError(
                     f"{name} are set by the proxy, not by clients", param=name
                 )
-        return cls(path, body, raw, request_id, trace)
+        session_id = (session_header or "").strip()[:MAX_SESSION_ID_CHARS] or None
+        return cls(path, body, raw, request_id, trace, session_id)
 
     @property
     def is_chat(self) -> bool:

@@ -136,6 +136,8 @@ async def _stream(
     record: RequestRecord,
 ) -> None:
     body, headers = endpoint.body(sample), auth_headers(endpoint.api_key)
+    if sample.session_id is not None:  # the proxy keeps a conversation on the workers that hold it
+        headers["X-Session-ID"] = sample.session_id
     async with client.stream("POST", endpoint.url, json=body, headers=headers) as r:
         if r.status_code != 200:
             text = (await r.aread()).decode(errors="replace")

@@ -43,6 +43,7 @@ class SampleRequest:
     prompt_len: int  # exact for token ids, estimated for text
     expected_output_len: int
     messages: list[dict] | None = None  # chat: the whole history, instead of `prompt` alone
+    session_id: str | None = None  # sent as X-Session-ID: a multi-turn run's conversation
 
 
 @dataclass(frozen=True)

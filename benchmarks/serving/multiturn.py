@@ -6,6 +6,8 @@ would. Turn k is sent `think_time` seconds after turn k−1's answer ended (fixe
 exponential of that mean, seeded per conversation), with the history of
 benchmarks/serving/conversations.py: the earlier user messages and the answers the server
 actually streamed. A failed turn ends its conversation (its history has no answer to go on).
+Each turn carries its conversation's `X-Session-ID` (`conversation-SEED-INDEX`), so that a proxy
+with session affinity keeps the conversation on the workers that hold it.
 
 The server's /metrics is scraped before and after (the prompt-cache shares need the proxy's
 counters); `duration` runs from the first turn sent to the last answer. The result JSON is the
@@ -60,9 +62,10 @@ async def run_conversations(
 
     async def one(index: int, conversation: Conversation) -> list[Turn]:
         think = random.Random(f"{seed}/{index}")
+        session_id = f"conversation-{seed}-{index}"  # X-Session-ID: one per conversation
         async with slots or contextlib.nullcontext():
             return await _converse(
-                client, endpoint, system, conversation, conv, index, think, t0, bar
+                client, endpoint, system, conversation, conv, index, session_id, think, t0, bar
             )
 
     per_conversation = await asyncio.gather(*(one(i, c) for i, c in enumerate(conversations)))
@@ -73,7 +76,9 @@ async def run_conversations(
     return turns, RunResult([t.record for t in turns], duration, before, after)
 
 
-async def _converse(client, endpoint, system, conversation, conv, index, think, t0, bar):
+async def _converse(
+    client, endpoint, system, conversation, conv, index, session_id, think, t0, bar
+):
     turns: list[Turn] = []
     answers: list[str] = []
     for k in range(1, conversation.num_turns + 1):
@@ -81,7 +86,9 @@ async def _converse(client, endpoint, system, conversation, conv, index, think, 
             await asyncio.sleep(_think_time(conv, think))
         messages = history(system, list(conversation.user_messages[:k]), answers)
         prompt_len = sum(estimate_tokens(m["content"]) for m in messages)
-        sample = SampleRequest(messages[-1]["content"], prompt_len, conv.output_len, messages)
+        sample = SampleRequest(
+            messages[-1]["content"], prompt_len, conv.output_len, messages, session_id
+        )
         record = await send_request(client, endpoint, sample, t0)
         bar.update()
         turns.append(Turn(index, k, messages, record))
