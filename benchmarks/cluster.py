@@ -45,9 +45,13 @@ class Bench:
     def __exit__(self, *exc) -> None:
         self.sup.stop()
 
-    def cluster(self, cfg: LocalConfig) -> Cluster:
-        """P, D and the proxy as `cfg` says (not waited for: `wait_ready`)."""
-        return start_cluster(cfg, self.sup, free_port(), self.log_dir)
+    def cluster(self, cfg: LocalConfig, name: str = "") -> Cluster:
+        """P, D and the proxy as `cfg` says (not waited for: `wait_ready`); `name`: its logs
+        in a folder of that name. NOTE: a second cluster starts once the first is ready, or
+        its workers would pick the same free ports."""
+        log_dir = self.log_dir / name if name else self.log_dir
+        log_dir.mkdir(exist_ok=True)
+        return start_cluster(cfg, self.sup, free_port(), log_dir)
 
     def proxy(self, name: str, cluster: Cluster, cfg: LocalConfig, args: list[str]) -> Child:
         """One more proxy in front of `cluster`'s workers: `cfg`'s, with `args` for its own."""

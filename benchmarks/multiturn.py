@@ -1,10 +1,15 @@
-"""Multi-turn chats: one worker alone vs the local P/D cluster (issue 39's table).
+"""Multi-turn chats: one worker alone vs the local P/D cluster, without and with the reuse of what
+D holds (issue 39's table).
 
-Two systems, both up for the whole study (the idle one sleeps), on this machine's cores:
+Three systems, all up for the whole study (the idle ones sleep), on this machine's cores:
 
     alone    one decode worker, `--kv-connector none`, on every core; the client talks to it
-    cluster  1 P + 1 D + the proxy as `deploy.local` starts them (the cores split between P and
-             D, KV events on, KV over NIXL, pull); the client talks to the proxy
+    pd       1 P + 1 D + the proxy as `deploy.local` starts them (the cores split between P and
+             D, KV events on, KV over NIXL, pull), with the reverse pull and session affinity
+             off (`--reverse-pull-min-tokens 0 --no-session-affinity`): the P/D before them
+    reuse    the same, as `deploy.local` starts it today: P reads the prefix D holds (an earlier
+             turn's answer) instead of computing it, and each chat's `X-Session-ID` keeps it on
+             its workers; its own workers, so that no system finds another's prompts cached
 
 and issue 39's two workloads, `benchmarks/serve.py --dataset-name multiturn` in-process: each
 conversation's turn k sends the earlier user messages and the answers the server streamed
@@ -13,15 +18,15 @@ conversation's turn k sends the earlier user messages and the answers the server
     4 chats x 6 turns, 32-token answers
     2 chats x 4 turns, 128-token answers
 
-Each round runs every workload on both systems, alternating which goes first; a round has its own
-seeds (the same for both systems), so no round finds the last one's prompts cached. Each system
+Each round runs every workload on every system, rotating which goes first; a round has its own
+seeds (the same for every system), so no round finds the last one's prompts cached. Each system
 is warmed up once with a short conversation first. Every run is bounded (`--run-timeout`).
 
     .venv/bin/python -m benchmarks.multiturn [--rounds 2] [--model DIR] [--quick] [--json OUT]
 
 Prints, per workload and system, TTFT p50 of turns 2+ and req/s (the median over rounds, each
-round's in brackets), the ratio cluster/alone, the share of prompt tokens served from cache (the
-last round's) and how many turns the proxy sent through P at all.
+round's in brackets), the ratios to the worker alone and reuse/pd, the share of P's prompt
+tokens it found in its cache or read from D (the last round's) and how many turns went through P.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ from benchmarks.serving.multiturn import benchmark_conversations
 from benchmarks.serving.runner import LoadConfig
 
 QUIET = ("--log-level", "warning")
-SYSTEMS = ("alone", "cluster")
+SYSTEMS = ("alone", "pd", "reuse")
+BEFORE_REUSE = ("--reverse-pull-min-tokens", "0", "--no-session-affinity")
 WORKLOADS = {
     "4 chats x 6 turns, 32-token answers": ConversationConfig(
         num_conversations=4, num_turns=6, user_len=70, output_len=32
@@ -74,18 +80,20 @@ def parse_args() -> argparse.Namespace:
 
 
 def start_systems(bench: Bench, model: str | None) -> dict[str, str]:
-    """The lone worker on every core and the cluster; the URL each is measured at."""
+    """The lone worker on every core and the two clusters; the URL each is measured at."""
     cores = sorted(os.sched_getaffinity(0))
     model_args = ("--model", model) if model else ()
-    cluster = bench.cluster(
-        LocalConfig(model=model, port=0, worker_args=QUIET, proxy_args=QUIET, is_kv_events=True)
-    )
+    clusters = {}
+    for name, extra in (("pd", BEFORE_REUSE), ("reuse", ())):
+        proxy_args = (*QUIET, *extra)
+        cfg = LocalConfig(model=model, port=0, worker_args=QUIET, proxy_args=proxy_args)
+        clusters[name] = bench.cluster(cfg, name)
+        bench.wait_ready(clusters[name])  # before the next picks its ports
     alone_args = [*model_args, *QUIET, "--kv-connector", "none"]
     cpus = ",".join(map(str, cores))
     alone = bench.worker("alone", "decode", alone_args, cores=cpus, threads=len(cores))
-    bench.wait_ready(cluster)
     bench.wait_ok(f"{alone.url}/health")
-    return {"alone": alone.url, "cluster": cluster.proxy.url}
+    return {"alone": alone.url, **{name: c.proxy.url for name, c in clusters.items()}}
 
 
 def run(url: str, conv: ConversationConfig, seed: int, args: argparse.Namespace) -> dict:
@@ -113,7 +121,8 @@ def study(bench: Bench, urls: dict[str, str], args: argparse.Namespace) -> dict:
     results: dict[str, dict[str, list[dict]]] = {w: {s: [] for s in urls} for w in workloads}
     for r in range(args.rounds):
         for i, (name, conv) in enumerate(workloads.items()):
-            order = list(urls) if (r + i) % 2 == 0 else list(urls)[::-1]
+            shift = (r + i) % len(urls)
+            order = list(urls)[shift:] + list(urls)[:shift]
             for system in order:
                 bench.check_alive()
                 load = os.getloadavg()[0]
@@ -125,33 +134,37 @@ def study(bench: Bench, urls: dict[str, str], args: argparse.Namespace) -> dict:
 
 def markdown_table(results: dict) -> str:
     lines = [
-        "| workload | TTFT p50 turns 2+ (ms): alone | cluster | cluster/alone "
-        "| req/s: alone | cluster | cluster/alone | cached on P | cached on D (alone) "
-        "| turns via P |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| workload | TTFT p50 turns 2+ (ms): alone | pd | reuse | pd/alone | reuse/alone "
+        "| reuse/pd | req/s: alone | pd | reuse | reuse/alone | P's prompt cached: pd | reuse "
+        "| read from D: reuse | turns via P: pd | reuse |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, by_system in results.items():
         ttft = {s: [r["by_turn"]["2+"][TTFT] for r in runs] for s, runs in by_system.items()}
         rps = {s: [r["request_throughput"] for r in runs] for s, runs in by_system.items()}
         cache = {s: runs[-1]["cache"] for s, runs in by_system.items()}
+        t = {s: statistics.median(v) for s, v in ttft.items()}
+        q = {s: statistics.median(v) for s, v in rps.items()}
         cells = [
-            *_pair(ttft, "{:.0f}"),
-            *_pair(rps, "{:.2f}"),
-            _pct(cache["cluster"]["prefill_share"]),
-            f"{_pct(cache['cluster']['served_share'])} ({_pct(cache['alone']['served_share'])})",
-            _via_p(by_system["cluster"]),
+            *(_cell(ttft[s], "{:.0f}") for s in SYSTEMS),
+            f"{t['pd'] / t['alone']:.2f}",
+            f"**{t['reuse'] / t['alone']:.2f}**",
+            f"{t['reuse'] / t['pd']:.2f}",
+            *(_cell(rps[s], "{:.2f}") for s in SYSTEMS),
+            f"{q['reuse'] / q['alone']:.2f}",
+            _pct(cache["pd"]["prefill_share"]),
+            _pct(cache["reuse"]["prefill_share"]),
+            _pct(cache["reuse"].get("lent_share")),
+            _via_p(by_system["pd"]),
+            _via_p(by_system["reuse"]),
         ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _pair(values: dict[str, list[float]], fmt: str) -> list[str]:
-    a, c = statistics.median(values["alone"]), statistics.median(values["cluster"])
-
-    def cell(v: float, each: list[float]) -> str:
-        return fmt.format(v) + " [" + ", ".join(fmt.format(x) for x in each) + "]"
-
-    return [cell(a, values["alone"]), cell(c, values["cluster"]), f"{c / a:.2f}"]
+def _cell(values: list[float], fmt: str) -> str:
+    each = ", ".join(fmt.format(x) for x in values)
+    return fmt.format(statistics.median(values)) + f" [{each}]"
 
 
 def _via_p(runs: list[dict]) -> str:
@@ -172,7 +185,7 @@ def main() -> None:
         affinity = bench.cpu_affinity()
         results = study(bench, urls, args)
     minutes = (time.monotonic() - started) / 60
-    print(f"\n## Multi-turn: alone vs cluster ({args.rounds} rounds, {minutes:.1f} min)")
+    print(f"\n## Multi-turn: alone, P/D, P/D with reuse ({args.rounds} rounds, {minutes:.1f} min)")
     load_end = os.getloadavg()[0]
     print(f"cores: {affinity}; load average at start {load_start[0]:.2f}, end {load_end:.2f}")
     print(markdown_table(results))

@@ -6,6 +6,9 @@
                    prefill   the proxy's `pdserve_proxy_prefill_cached_tokens_total` over
                              `..._prefill_prompt_tokens_total`, as deltas over the run (P's own
                              word, relayed by the proxy; None without a proxy in front)
+                   lent      the proxy's `pdserve_proxy_reverse_pull_tokens_total` over the same
+                             prompt tokens: what P read from D instead of computing (the reverse
+                             pull; None without a proxy)
                    served    the streamed answers' `usage.prompt_tokens_details.cached_tokens` over
                              their `prompt_tokens`: what the worker that answered (D in P/D, the
                              lone worker otherwise) took from its cache (None if no usage said)
@@ -26,6 +29,7 @@ from benchmarks.serving.metrics import LatencyStats, latency_stats, latency_valu
 TURN_METRICS = ("ttft", "tpot", "itl")
 PREFILL_CACHED = "pdserve_proxy_prefill_cached_tokens_total"
 PREFILL_PROMPT = "pdserve_proxy_prefill_prompt_tokens_total"
+PREFILL_LENT = "pdserve_proxy_reverse_pull_tokens_total"
 ROUTED = re.compile(r'pdserve_proxy_routed_total\{path="([^"]*)",reason="([^"]*)"\}')
 
 
@@ -53,6 +57,13 @@ class CacheShares:
     prefill_prompt_tokens: float | None
     served_cached_tokens: int | None
     served_prompt_tokens: int
+    prefill_lent_tokens: float | None = None
+
+    @property
+    def lent_share(self) -> float | None:
+        if not self.prefill_prompt_tokens or self.prefill_lent_tokens is None:
+            return None
+        return self.prefill_lent_tokens / self.prefill_prompt_tokens
 
     @property
     def prefill_share(self) -> float | None:
@@ -70,6 +81,7 @@ class CacheShares:
         return {
             **asdict(self),
             "prefill_share": self.prefill_share,
+            "lent_share": self.lent_share,
             "served_share": self.served_share,
         }
 
@@ -102,6 +114,7 @@ def cache_shares(turns: list[Turn], server_delta: dict[str, float] | None) -> Ca
         prefill_prompt_tokens=delta.get(PREFILL_PROMPT),
         served_cached_tokens=sum(r.cached_tokens for r in told) if told else None,
         served_prompt_tokens=sum(r.prompt_len for r in told),
+        prefill_lent_tokens=delta.get(PREFILL_LENT),
     )
 
 
@@ -146,6 +159,7 @@ def format_turn_table(groups: dict[str, dict], shares: CacheShares, paths: dict[
         lines.append(f"{name:<5}{g['completed']:>5} " + "".join(f" {ms(c)}" for c in cells))
     lines.append(" Prompt tokens served from cache ".center(72, "-"))
     lines.append(f"{'on P (proxy counters):':<40} {_share(shares.prefill_share)}")
+    lines.append(f"{'read by P from D (the reverse pull):':<40} {_share(shares.lent_share)}")
     lines.append(f"{'by the answering worker (usage):':<40} {_share(shares.served_share)}")
     for path, num in sorted(paths.items()):
         lines.append(f"{'routed ' + path + ':':<40} {num}")
