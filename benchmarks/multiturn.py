@@ -17,6 +17,7 @@ conversation's turn k sends the earlier user messages and the answers the server
 
     4 chats x 6 turns, 32-token answers
     2 chats x 4 turns, 128-token answers
+    2 chats x 10 turns, 256-token answers (turns 2+ find ~85% of their prompt in the history)
 
 Each round runs every workload on every system, rotating which goes first; a round has its own
 seeds (the same for every system), so no round finds the last one's prompts cached. Each system
@@ -55,6 +56,9 @@ WORKLOADS = {
     "2 chats x 4 turns, 128-token answers": ConversationConfig(
         num_conversations=2, num_turns=4, user_len=70, output_len=128
     ),
+    "2 chats x 10 turns, 256-token answers": ConversationConfig(
+        num_conversations=2, num_turns=10, user_len=70, output_len=256
+    ),
 }
 QUICK = {
     "2 chats x 2 turns, 8-token answers": ConversationConfig(
@@ -73,6 +77,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--run-timeout", type=float, default=600.0, help="s, one workload's run")
     p.add_argument("--request-timeout", type=float, default=120.0, help="s, one turn")
     p.add_argument("--json", type=Path, help="write every run's aggregates here")
+    p.add_argument("--only", help="run only the workloads whose name contains this")
     args = p.parse_args()
     if args.rounds < 1 or not args.run_timeout > 0:
         p.error("--rounds must be >= 1 and --run-timeout > 0")
@@ -115,6 +120,7 @@ def run(url: str, conv: ConversationConfig, seed: int, args: argparse.Namespace)
 
 def study(bench: Bench, urls: dict[str, str], args: argparse.Namespace) -> dict:
     workloads = QUICK if args.quick else WORKLOADS
+    workloads = {k: v for k, v in workloads.items() if not args.only or args.only in k}
     for system, url in urls.items():
         print(f"\n#### {system}: warm-up", flush=True)
         run(url, WARM_UP, 999, args)

@@ -172,7 +172,8 @@ class ProxyMetrics:
         )
         self.reverse_pull_tokens = Counter(
             "pdserve_proxy_reverse_pull_tokens",
-            "Prompt tokens decode workers lent to prefill workers (the reverse pull)",
+            "Prompt tokens prefill workers read from decode workers instead of computing them "
+            "(the reverse pull: those lent past P's own cache, by P's usage)",
             registry=r,
         )
         for outcome in ("lent", "nothing_cached", "failed"):
@@ -245,8 +246,10 @@ class ProxyMetrics:
             "pdserve_proxy_prefill_prompt_tokens", "Prompt tokens of P's answers", registry=r
         )
 
-    def count_prefill_usage(self, answer: dict) -> None:
-        """P's own word on its prefix cache: `usage.prompt_tokens_details.cached_tokens`."""
+    def count_prefill_usage(self, answer: dict, num_lent: int = 0) -> None:
+        """P's own word on its prefix cache: `usage.prompt_tokens_details.cached_tokens`; and
+        of the `num_lent` tokens D lent it (the reverse pull), those past its own cache: what
+        P read from D."""
         usage = answer.get("usage")
         if not isinstance(usage, dict):
             return
@@ -256,6 +259,7 @@ class ProxyMetrics:
         if isinstance(prompt, int) and isinstance(cached, int):
             self.prefill_prompt_tokens.inc(prompt)
             self.prefill_cached_tokens.inc(cached)
+            self.reverse_pull_tokens.inc(max(0, num_lent - cached))
 
     def render(self) -> bytes:
         for role, pool in self.pools.items():

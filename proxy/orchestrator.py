@@ -63,6 +63,14 @@ class Prefilled:
         return self.params.get("first_token_id") is not None
 
 
+@dataclass
+class Lent:
+    """The reverse pull: a prompt prefix D holds under a lease for P to read."""
+
+    params: dict  # D's kv_transfer_params for P (prefix_only)
+    num_tokens: int  # the tokens its blocks hold
+
+
 class Orchestrator:
     def __init__(
         self,
@@ -199,7 +207,7 @@ class Orchestrator:
                 worker.num_outstanding += 1
                 headers = {"X-Request-Id": req.request_id, **self.internal}
                 headers.update(req.trace.headers(span))
-                body = req.prefill_body(push_to, lent)
+                body = req.prefill_body(push_to, lent and lent.params)
                 with self.kv.prefilling(worker, token_ids):
                     answer = await self.inflight.call(
                         worker, post_json(worker, req.path, body, headers, self._prefill_timeout)
@@ -216,10 +224,10 @@ class Orchestrator:
                 worker.num_outstanding -= 1
                 req.trace.end_span(span)
                 if lent is not None:  # read (P let it go already) or not: D's lease ends
-                    self._release(decode, {"request_id": lent["remote_request_id"]})
+                    self._release(decode, {"request_id": lent.params["remote_request_id"]})
             req.trace.set(**{"pdserve.prefill_url": worker.url})
             self.metrics.prefill.observe(time.perf_counter() - started)
-            self.metrics.count_prefill_usage(answer)
+            self.metrics.count_prefill_usage(answer, lent.num_tokens if lent else 0)
             params = answer.get("kv_transfer_params")
             if not isinstance(params, dict):
                 logger.warning("prefill worker %s returned no kv_transfer_params", worker.url)
@@ -233,9 +241,9 @@ class Orchestrator:
         prefill: Worker,
         decode: Worker | None,
         token_ids: list[int] | None,
-    ) -> dict | None:
-        """The reverse pull: the prompt prefix D holds beyond P's, leased on D for P to read
-        (its kv_transfer_params), when that saves `reverse_pull_min_tokens`; else None."""
+    ) -> Lent | None:
+        """The reverse pull: the prompt prefix D holds beyond P's, leased on D for P to read,
+        when that saves `reverse_pull_min_tokens`; else None."""
         limit = self.cfg.reverse_pull_min_tokens
         if not limit or decode is None or token_ids is None:
             return None
@@ -261,8 +269,8 @@ class Orchestrator:
             self.metrics.reverse_pulls.labels("nothing_cached").inc()
             return None
         self.metrics.reverse_pulls.labels("lent").inc()
-        self.metrics.reverse_pull_tokens.inc(answer.get("num_tokens", 0))
-        return lent
+        num_tokens = answer.get("num_tokens")
+        return Lent(lent, num_tokens if isinstance(num_tokens, int) else 0)
 
     async def _reserve(self, req: ProxyRequest, decode: Worker) -> dict | None:
         """Push: blocks on D for the prompt; None (pull instead) when D cannot spare them."""

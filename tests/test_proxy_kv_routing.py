@@ -372,9 +372,9 @@ def test_the_next_turn_reads_the_answer_it_holds_from_the_decode_worker(cluster)
     c = cluster
     first = ids(60, 100)
     blocks_before = indexed(c.proxy, c.d)
-    answer = complete(c.proxy.url, first, max_tokens=45)["choices"][0]["token_ids"]
-    history = first + answer  # D computed the KV of all but the last token: 9 whole blocks
-    assert wait_until(lambda: indexed(c.proxy, c.d) >= blocks_before + 9, 30)
+    answer = complete(c.proxy.url, first, max_tokens=80)["choices"][0]["token_ids"]
+    history = first + answer  # D computed the KV of all but the last token: 11 whole blocks
+    assert wait_until(lambda: indexed(c.proxy, c.d) >= blocks_before + 11, 30)
     lent = 'pdserve_proxy_reverse_pulls_total{outcome="lent"}'
     lent_before, tokens_before = c.proxy.metric(lent), c.proxy.metric(
         "pdserve_proxy_reverse_pull_tokens_total"
@@ -384,7 +384,9 @@ def test_the_next_turn_reads_the_answer_it_holds_from_the_decode_worker(cluster)
     prompt = history + ids(61, 80)
     through = complete(c.proxy.url, prompt)
     assert c.proxy.metric(lent) == lent_before + 1
-    assert c.proxy.metric("pdserve_proxy_reverse_pull_tokens_total") - tokens_before == 144
+    # D lent its 176 tokens; turn 1's P, which holds the first 96, read the other 80 (past the
+    # default --reverse-pull-min-tokens, 64)
+    assert c.proxy.metric("pdserve_proxy_reverse_pull_tokens_total") - tokens_before == 80
     assert wait_until(lambda: sum(p.metric(reverse) for p in c.prefills) == read_before + 1, 10)
     assert wait_until(lambda: c.d.metric("pdserve_kv_blocks_held") == 0, 10)  # lease ended
     alone = complete(c.d.url, prompt)
