@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import statistics
 import time
 from pathlib import Path
@@ -78,18 +79,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=120.0, help="s, one turn")
     p.add_argument("--json", type=Path, help="write every run's aggregates here")
     p.add_argument("--only", help="run only the workloads whose name contains this")
+    p.add_argument(
+        "--reuse-proxy-args", default="", help="more flags for the reuse cluster's proxy"
+    )
     args = p.parse_args()
     if args.rounds < 1 or not args.run_timeout > 0:
         p.error("--rounds must be >= 1 and --run-timeout > 0")
     return args
 
 
-def start_systems(bench: Bench, model: str | None) -> dict[str, str]:
+def start_systems(bench: Bench, model: str | None, reuse_args: str) -> dict[str, str]:
     """The lone worker on every core and the two clusters; the URL each is measured at."""
     cores = sorted(os.sched_getaffinity(0))
     model_args = ("--model", model) if model else ()
     clusters = {}
-    for name, extra in (("pd", BEFORE_REUSE), ("reuse", ())):
+    for name, extra in (("pd", BEFORE_REUSE), ("reuse", tuple(shlex.split(reuse_args)))):
         proxy_args = (*QUIET, *extra)
         cfg = LocalConfig(model=model, port=0, worker_args=QUIET, proxy_args=proxy_args)
         clusters[name] = bench.cluster(cfg, name)
@@ -187,13 +191,15 @@ def main() -> None:
     args = parse_args()
     started, load_start = time.monotonic(), os.getloadavg()
     with Bench("multiturn") as bench:
-        urls = start_systems(bench, args.model)
+        urls = start_systems(bench, args.model, args.reuse_proxy_args)
         affinity = bench.cpu_affinity()
         results = study(bench, urls, args)
     minutes = (time.monotonic() - started) / 60
     print(f"\n## Multi-turn: alone, P/D, P/D with reuse ({args.rounds} rounds, {minutes:.1f} min)")
     load_end = os.getloadavg()[0]
     print(f"cores: {affinity}; load average at start {load_start[0]:.2f}, end {load_end:.2f}")
+    if args.reuse_proxy_args:
+        print(f"reuse cluster's proxy: also {args.reuse_proxy_args}")
     print(markdown_table(results))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -85,7 +85,7 @@ class ProxyConfig:
     # KV-aware routing (proxy/kv_routing.py): subscribe to the workers' KV events, route by them
     kv_routing: bool = True
     cached_on_decode_tokens: int = 64  # a D holding all of a prompt but fewer: D alone; 0: off
-    reverse_pull_min_tokens: int = 64  # P reads a prefix D holds when it saves as many; 0: off
+    reverse_pull_min_tokens: int = 32  # P reads a prefix D holds when it saves as many; 0: off
     # session affinity (proxy/sessions.py): an X-Session-ID's requests stay on its workers
     session_affinity: bool = True
     max_sessions: int = 100_000  # sessions remembered per pool; the least recent are forgotten
@@ -308,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="the reverse pull: a prefill worker reads the prompt prefix that the chosen decode "
         "worker holds (its KV events) instead of computing it, when that saves at least this "
-        "many tokens of what the prefill worker holds itself (64; 0: off; pull mode)",
+        "many tokens of what the prefill worker holds itself (32; 0: off; pull mode)",
     )
     add(
         "--workers",

@@ -384,8 +384,7 @@ def test_the_next_turn_reads_the_answer_it_holds_from_the_decode_worker(cluster)
     prompt = history + ids(61, 80)
     through = complete(c.proxy.url, prompt)
     assert c.proxy.metric(lent) == lent_before + 1
-    # D lent its 176 tokens; turn 1's P, which holds the first 96, read the other 80 (past the
-    # default --reverse-pull-min-tokens, 64)
+    # D lent its 176 tokens; turn 1's P, which holds the first 96, read the other 80
     assert c.proxy.metric("pdserve_proxy_reverse_pull_tokens_total") - tokens_before == 80
     assert wait_until(lambda: sum(p.metric(reverse) for p in c.prefills) == read_before + 1, 10)
     assert wait_until(lambda: c.d.metric("pdserve_kv_blocks_held") == 0, 10)  # lease ended
