@@ -2,7 +2,7 @@
 a decode worker lends the prompt prefix it holds from an earlier turn (`lease_prefix`), the
 prefill worker reads it instead of computing it and computes only the rest, and D then decodes
 from its own blocks plus the ones P computed. The HTTP route, the proxy's choice and NIXL
-itself: test_reverse_pull_cluster.py.
+itself: test_proxy_kv_routing.py (`test_the_next_turn_reads_the_answer_it_holds_from_...`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from common.config import CacheConfig, EngineConfig, ModelConfig, TransferConfig
 from common.engine.engine import LLMEngine
-from common.kv_transfer.fake import Loopback
+from common.kv_transfer.fake import FakeConnector, Loopback
 from tests.test_pd_inprocess import connect, run, sampling, settle
 from tests.tiny_models import VOCAB
 
@@ -30,8 +30,6 @@ def fabric():
 
 
 def make_engine(model: str, fabric: Loopback, prefix_caching: bool = True, **transfer):
-    from common.kv_transfer.fake import FakeConnector
-
     config = EngineConfig(
         ModelConfig(model, max_model_len=256, enforce_eager=True),
         CacheConfig(num_blocks=64, block_size=BLOCK, enable_prefix_caching=prefix_caching),
