@@ -82,20 +82,29 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--reuse-proxy-args", default="", help="more flags for the reuse cluster's proxy"
     )
+    p.add_argument(
+        "--reuse-no-cpu-split",
+        action="store_true",
+        help="the reuse cluster's P and D each on every core (deploy.local --no-cpu-split)",
+    )
     args = p.parse_args()
     if args.rounds < 1 or not args.run_timeout > 0:
         p.error("--rounds must be >= 1 and --run-timeout > 0")
     return args
 
 
-def start_systems(bench: Bench, model: str | None, reuse_args: str) -> dict[str, str]:
+def start_systems(bench: Bench, model: str | None, args: argparse.Namespace) -> dict[str, str]:
     """The lone worker on every core and the two clusters; the URL each is measured at."""
     cores = sorted(os.sched_getaffinity(0))
     model_args = ("--model", model) if model else ()
     clusters = {}
-    for name, extra in (("pd", BEFORE_REUSE), ("reuse", tuple(shlex.split(reuse_args)))):
+    reuse = tuple(shlex.split(args.reuse_proxy_args))
+    for name, extra in (("pd", BEFORE_REUSE), ("reuse", reuse)):
+        split = not (name == "reuse" and args.reuse_no_cpu_split)
         proxy_args = (*QUIET, *extra)
-        cfg = LocalConfig(model=model, port=0, worker_args=QUIET, proxy_args=proxy_args)
+        cfg = LocalConfig(
+            model=model, port=0, worker_args=QUIET, proxy_args=proxy_args, is_cpu_split=split
+        )
         clusters[name] = bench.cluster(cfg, name)
         bench.wait_ready(clusters[name])  # before the next picks its ports
     alone_args = [*model_args, *QUIET, "--kv-connector", "none"]
@@ -191,15 +200,16 @@ def main() -> None:
     args = parse_args()
     started, load_start = time.monotonic(), os.getloadavg()
     with Bench("multiturn") as bench:
-        urls = start_systems(bench, args.model, args.reuse_proxy_args)
+        urls = start_systems(bench, args.model, args)
         affinity = bench.cpu_affinity()
         results = study(bench, urls, args)
     minutes = (time.monotonic() - started) / 60
     print(f"\n## Multi-turn: alone, P/D, P/D with reuse ({args.rounds} rounds, {minutes:.1f} min)")
     load_end = os.getloadavg()[0]
     print(f"cores: {affinity}; load average at start {load_start[0]:.2f}, end {load_end:.2f}")
-    if args.reuse_proxy_args:
-        print(f"reuse cluster's proxy: also {args.reuse_proxy_args}")
+    if args.reuse_proxy_args or args.reuse_no_cpu_split:
+        split = "every core for P and D" if args.reuse_no_cpu_split else "cores split"
+        print(f"reuse cluster: proxy also {args.reuse_proxy_args or '-'}; {split}")
     print(markdown_table(results))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
