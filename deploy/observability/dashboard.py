@@ -353,6 +353,22 @@ ROUTING = Row(
                 Query(rate("pdserve_proxy_migrations_total", "reason"), "migrated {{reason}}"),
             ),
         ),
+        Panel(
+            "Multi-turn reuse",
+            "short",
+            "A second: prefills offered the prompt prefix the decode worker holds, by outcome"
+            " (pdserve_proxy_reverse_pulls_total), prompt tokens P read from D instead of"
+            " computing them (pdserve_proxy_reverse_pull_tokens_total), and requests routed by"
+            " their X-Session-ID, by pool and outcome (pdserve_proxy_session_routed_total).",
+            (
+                Query(rate("pdserve_proxy_reverse_pulls_total", "outcome"), "lend {{outcome}}"),
+                Query(rate("pdserve_proxy_reverse_pull_tokens_total"), "tokens read from D"),
+                Query(
+                    rate("pdserve_proxy_session_routed_total", "role, outcome"),
+                    "session {{role}} {{outcome}}",
+                ),
+            ),
+        ),
     ),
 )
 
