@@ -79,6 +79,13 @@ def second_turn(d: LLMEngine, seed: int) -> list[int]:
     return first + answer + message
 
 
+def second_turn_on_both(d: LLMEngine, twins, seed: int) -> list[int]:
+    """`second_turn` on D and on D's twin, which then hold the same turn 1."""
+    prompt = second_turn(d, seed)
+    assert second_turn(twins[1], seed) == prompt
+    return prompt
+
+
 def prefill_with(p: LLMEngine, prompt: list[int], lent: dict | None) -> dict:
     kv = {"do_remote_decode": True, **(lent or {})}
     tokens, out = run(p, prompt, sampling("greedy", max_tokens=1), kv, rid="prefill")
@@ -111,8 +118,7 @@ def without_reverse_pull(twins, prompt: list[int]) -> list[int]:
 
 def test_p_reads_the_prefix_d_holds_and_the_answer_equals_a_worker_alone(pd, twins):
     p, d = pd
-    prompt = second_turn(d, seed=1)
-    assert second_turn(twins[1], seed=1) == prompt
+    prompt = second_turn_on_both(d, twins, seed=1)
     expected = alone(twins, prompt)
     lent = d.lease_prefix(prompt)
     # turn 1's prompt and answer are 4 whole blocks on D: each lent, and held there
@@ -133,8 +139,7 @@ def test_p_reads_the_prefix_d_holds_and_the_answer_equals_a_worker_alone(pd, twi
 
 def test_a_prefix_p_cannot_read_is_computed_there_under_either_policy(pd, twins):
     p, d = pd
-    prompt = second_turn(d, seed=2)
-    assert second_turn(twins[1], seed=2) == prompt
+    prompt = second_turn_on_both(d, twins, seed=2)
     expected = without_reverse_pull(twins, prompt)
     lent = d.lease_prefix(prompt)
     before = recomputed(p, "read_failed")
@@ -148,8 +153,7 @@ def test_a_prefix_p_cannot_read_is_computed_there_under_either_policy(pd, twins)
 
 def test_a_prefix_that_does_not_check_out_is_never_used(pd, twins):
     p, d = pd
-    prompt = second_turn(d, seed=3)
-    assert second_turn(twins[1], seed=3) == prompt
+    prompt = second_turn_on_both(d, twins, seed=3)
     expected = without_reverse_pull(twins, prompt)
     lent = d.lease_prefix(prompt)
     assert lent["kv_checksums"] is not None
@@ -171,8 +175,7 @@ def test_a_lent_prefix_that_covers_the_whole_prompt_is_refused(pd, twins):
     """A prefix must leave P a token to compute (its logits give the first token): params that
     claim every block of the prompt are refused before anything is read, and P computes it."""
     p, d = pd
-    prompt = second_turn(d, seed=4)[:64]  # exactly the 4 blocks D holds
-    assert second_turn(twins[1], seed=4)[:64] == prompt
+    prompt = second_turn_on_both(d, twins, seed=4)[:64]  # exactly the 4 blocks D holds
     expected = without_reverse_pull(twins, prompt)
     lent = d.lease_prefix(prompt + [5])
     assert len(lent["remote_block_ids"]) * BLOCK == len(prompt)
