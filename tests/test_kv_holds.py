@@ -4,13 +4,17 @@ every chunk of every layer has landed."""
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
 
+import numpy as np
 import pytest
 
 from common.kv_cache.block_pool import BlockPool
+from common.kv_transfer import transfers
 from common.kv_transfer.holds import TransferHolds
 from common.kv_transfer.reservations import ReservationTable, parse_push_notif, push_notif
+from common.kv_transfer.transfers import TransferJob
 
 
 def running() -> Future:
@@ -55,6 +59,33 @@ def test_a_transfer_reported_failed_but_not_released_is_not_settled():
     assert holds.settle() == 0 and holds.num_quarantined == 2
     future.settled = True
     assert holds.settle() == 1 and pool.is_all_free
+
+
+def test_a_handle_nixl_keeps_settles_once_it_lets_go_and_is_logged_once(monkeypatch, caplog):
+    class Handle:  # NIXL refuses to release a transfer it still runs
+        state, released = "PROC", False
+
+        def release(self) -> None:
+            if self.state == "PROC":
+                raise RuntimeError("NIXL_IN_PROG")
+            self.released = True
+
+    class Agent:
+        def check_xfer_state(self, handle: Handle) -> str:
+            return handle.state
+
+    monkeypatch.setattr(transfers, "_UNSETTLED_WARN_S", 0.0)
+    handle, agent = Handle(), Agent()
+    job = TransferJob("WRITE", "d0", np.zeros((1, 3)), np.zeros((1, 3)), b"", None, 64)
+    job.handle = handle
+    assert not job.fail(TimeoutError("deadline"))  # the transport keeps it in its aborting list
+    assert job.future.done() and not job.future.is_settled()
+    with caplog.at_level(logging.WARNING, logger=transfers.__name__):
+        assert not job.try_settle(agent) and not job.try_settle(agent)
+    unsettled = [r for r in caplog.records if "has not settled" in r.getMessage()]
+    assert len(unsettled) == 1 and "NIXL_IN_PROG" in unsettled[0].getMessage()
+    handle.state = "ERR"
+    assert job.try_settle(agent) and handle.released and job.future.is_settled()
 
 
 def test_shared_blocks_count_once_and_stay_with_their_owner():

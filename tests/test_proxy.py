@@ -78,12 +78,12 @@ def assert_pools_free(*servers) -> None:
 
 
 def pool_state(server) -> str:
-    """Where a worker's used blocks are, for a failure's message."""
+    """Where a worker's used blocks are, and the end of its log, for a failure's message."""
     names = ("used", "held", "in_transfer", "quarantined")
     state = {n: server.metric(f"pdserve_kv_blocks_{n}") for n in names}
     state["pushes_in_flight"] = server.metric("pdserve_kv_pushes_in_flight")
     state["running"] = server.metric("pdserve_num_requests_running")
-    return f"{server.url}: {state}"
+    return f"{server.url}: {state}\n--- the end of its log ---\n{server.log()}"
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])

@@ -37,6 +37,7 @@ class TransferResult:
 
 DESCRIPTOR_BUCKETS = (2, 4, 8, 16, 32, 64, 128)  # 2 a layer: every block in one run both sides
 # one request's KV transfer: a few ms on one host, seconds for a long prompt over TCP
+_UNSETTLED_WARN_S = 10.0  # a handle NIXL keeps this long is logged (once)
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -120,6 +121,9 @@ class TransferJob:
     handle: Any = None
     started: float = 0.0
     post_s: float = 0.0
+    unsettled_since: float = 0.0  # when NIXL first refused to release the handle (monotonic)
+    release_error: str = ""  # its last refusal, for the log
+    warned: bool = False
 
     def finish(self) -> bool:
         """DONE: release the handle and report the result; True if settled (released)."""
@@ -141,20 +145,35 @@ class TransferJob:
 
     def try_settle(self, agent: Any) -> bool:
         """A failed job whose handle NIXL refused to release: release it once the transfer is
-        no longer in progress. True once settled."""
+        no longer in progress. True once settled; a job unsettled for `_UNSETTLED_WARN_S` is
+        logged once (its blocks stay quarantined until NIXL lets go)."""
         try:
             state = agent.check_xfer_state(self.handle)
         except Exception:  # noqa: BLE001 — the peer is gone: nothing can move any more
             state = "ERR"
-        return state != "PROC" and self.release()
+        if state != "PROC" and self.release(quiet=True):
+            return True
+        waited = time.monotonic() - self.unsettled_since
+        if waited > _UNSETTLED_WARN_S and not self.warned:
+            self.warned = True
+            logger.warning(
+                "a %s with %s has not settled for %.0f s: state %s, release refused with %s; "
+                "its local blocks stay quarantined", self.op, self.peer, waited, state,
+                self.release_error or "nothing (still in progress)",
+            )  # fmt: skip
+        return False
 
-    def release(self) -> bool:
+    def release(self, quiet: bool = False) -> bool:
         """Release the handle; False (handle kept) if NIXL refused. Settles the Future."""
         if self.handle is not None:
             try:
                 self.handle.release()
             except Exception as e:
-                logger.warning("releasing a %s handle with %s failed: %r", self.op, self.peer, e)
+                if not quiet:
+                    why = "releasing a %s handle with %s failed: %r"
+                    logger.warning(why, self.op, self.peer, e)
+                self.release_error = repr(e)
+                self.unsettled_since = self.unsettled_since or time.monotonic()
                 return False
             self.handle = None
         self.future.mark_settled()
