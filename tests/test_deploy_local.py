@@ -152,7 +152,9 @@ def cpus_allowed(pid: int) -> str:
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
 def test_serves_through_the_proxy_and_stops_everything(launch, tiny_model, stop):
-    launcher = launch("--model", str(tiny_model("llama")), "--", *WORKER_ARGS)
+    # the workers' default (compiled) under SIGTERM; eager under Ctrl-C, whose path is the same
+    eager = ["--enforce-eager"] if stop == signal.SIGINT else []
+    launcher = launch("--model", str(tiny_model("llama")), "--", *WORKER_ARGS, *eager)
     url = launcher.wait_for(r"^ready: (http://\S+)").group(1)
     assert_banner(launcher)
     assert url == launcher.children()["proxy"][0]
@@ -201,7 +203,7 @@ def test_a_worker_that_cannot_start_ends_the_launcher(launch, tiny_model, tmp_pa
 
 def test_ask_answers_and_exit_stops_everything(launch, tiny_model):
     args = ["--model", str(tiny_model("llama")), "--ask", "Hello there", "--exit"]
-    launcher = launch(*args, "--", *WORKER_ARGS)
+    launcher = launch(*args, "--", *WORKER_ARGS, "--enforce-eager")
     launcher.wait_for(r"^ready: ")
     assert launcher.wait() == 0, launcher.output()
     out = launcher.out_path.read_text()

@@ -21,79 +21,95 @@ pytestmark = pytest.mark.chaos_long
 PROMPTS = [list(range(3 + 5 * i, 40 + 11 * i)) for i in range(6)]
 
 
-def bounce(cluster: Cluster, server) -> None:
+def wait_health(clusters: list[Cluster], server, healthy: bool) -> None:
+    for cluster in clusters:
+        cluster.wait_health(server, healthy)
+
+
+def bounce(clusters: list[Cluster], server) -> None:
     """kill -9, ejected, restarted (a new engine id), readmitted."""
     kill(server)
-    cluster.wait_health(server, False)
+    wait_health(clusters, server, False)
     restart(server)
-    cluster.wait_health(server, True)
+    wait_health(clusters, server, True)
 
 
-def bounce_both(cluster: Cluster) -> None:
+def bounce_both(clusters: list[Cluster]) -> None:
     """P, then D, kill -9'd together and ejected; both restarted at once (new engine ids, as
     rescheduled together) and readmitted. Restarting them one after the other would add a
     window of D up with P dead, the first fault's, at the cost of a third worker start."""
-    kill(cluster.p)
-    kill(cluster.d)
-    cluster.wait_health(cluster.p, False)
-    cluster.wait_health(cluster.d, False)
-    for server in cluster.workers:
+    workers = clusters[0].workers
+    for server in workers:
+        kill(server)
+    for server in workers:
+        wait_health(clusters, server, False)
+    for server in workers:
         server.restart()  # a new process, not waited for: both start side by side
-    for server in cluster.workers:
+    for server in workers:
         server.wait_ready()
-        cluster.wait_health(server, True)
+        wait_health(clusters, server, True)
 
 
-def pause(cluster: Cluster, server, seconds: float) -> None:
+def pause(clusters: list[Cluster], server, seconds: float) -> None:
     with frozen(server):
         time.sleep(seconds)
-    cluster.wait_health(server, True)
+    wait_health(clusters, server, True)
 
 
 FAULTS = [
-    lambda c: bounce(c, c.p),
-    lambda c: pause(c, c.d, 1.0),  # shorter than the proxy's patience
-    lambda c: pause(c, c.p, 3.5),  # longer than the prefill timeout
-    lambda c: bounce(c, c.d),
-    lambda c: pause(c, c.d, 3.5),  # longer than the decode timeout
+    lambda cs: bounce(cs, cs[0].p),
+    lambda cs: pause(cs, cs[0].d, 1.0),  # shorter than the proxy's patience
+    lambda cs: pause(cs, cs[0].p, 3.5),  # longer than the prefill timeout
+    lambda cs: bounce(cs, cs[0].d),
+    lambda cs: pause(cs, cs[0].d, 3.5),  # longer than the decode timeout
     bounce_both,
 ]
+MODES = ("pull", "push")
 
 
-@pytest.mark.parametrize("mode", ["pull", "push"])
-def test_scripted_faults_under_load(start_server, workers, mode):
-    cluster = start_proxy(start_server, *workers, "--mode", mode)
-    refs = [cluster.reference(prompt, max_tokens=24) for prompt in PROMPTS]
-    outcomes: list[tuple[int, object]] = []
+def test_scripted_faults_under_load_in_pull_and_push(start_server, workers):
+    """One proxy in each mode over the same P and D, each with its own clients: every fault
+    of the script hits both modes at once (the script restarts workers four times, so it runs
+    once, not once a mode)."""
+    clusters = [start_proxy(start_server, *workers, "--mode", mode) for mode in MODES]
+    refs = [clusters[0].reference(prompt, max_tokens=24) for prompt in PROMPTS]
+    outcomes: dict[str, list[tuple[int, object]]] = {mode: [] for mode in MODES}
     done = threading.Event()
 
-    def client(seed: int) -> None:
+    def client(mode: str, url: str, seed: int) -> None:
         rng = random.Random(seed)
         while not done.is_set():
             i = rng.randrange(len(PROMPTS))
             send = rng.choice([complete, stream])
-            out = send(cluster.proxy.url, body(PROMPTS[i], max_tokens=24))
-            outcomes.append((i, out))
+            out = send(url, body(PROMPTS[i], max_tokens=24))
+            outcomes[mode].append((i, out))
             if not out.is_ok:
                 time.sleep(0.2)  # a client backs off after an error
 
-    clients = [Background(client, seed) for seed in range(3)]
+    clients = [
+        Background(client, mode, cluster.proxy.url, seed)
+        for mode, cluster in zip(MODES, clusters, strict=True)
+        for seed in range(2)
+    ]
     try:
         for fault in FAULTS:
-            fault(cluster)
+            fault(clusters)
             time.sleep(0.5)
     finally:
         done.set()
         for c in clients:
             c.result(timeout=2 * HANG_GUARD)
-    for i, out in outcomes:
-        assert_clear(out, refs[i])
-    num_ok = sum(out.is_ok for _, out in outcomes)
-    assert num_ok >= 3 * len(FAULTS), f"{num_ok} of {len(outcomes)} requests succeeded"
-    cluster.heal()
-    cluster.assert_pools_free()
-    for i, prompt in enumerate(PROMPTS):  # all well again: disaggregated, colocated output
-        assert_clear(complete(cluster.proxy.url, body(prompt, max_tokens=24)), refs[i])
+    for mode in MODES:
+        for i, out in outcomes[mode]:
+            assert_clear(out, refs[i])
+        num_ok = sum(out.is_ok for _, out in outcomes[mode])
+        assert num_ok >= 3 * len(FAULTS), f"{mode}: {num_ok} of {len(outcomes[mode])} succeeded"
+    for cluster in clusters:
+        cluster.heal()
+    clusters[0].assert_pools_free()
+    for cluster in clusters:  # all well again: disaggregated, colocated output in both modes
+        for i, prompt in enumerate(PROMPTS):
+            assert_clear(complete(cluster.proxy.url, body(prompt, max_tokens=24)), refs[i])
 
 
 def test_prefill_frozen_past_its_timeout_leaves_an_unread_lease(start_server, workers):
