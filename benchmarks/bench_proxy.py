@@ -30,7 +30,7 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/bench_proxy.
 import httpx  # noqa: E402
 
 from benchmarks.cluster import ROOT, Bench, free_port  # noqa: E402
-from benchmarks.vllm_cpu import ensure_router  # noqa: E402
+from benchmarks.vllm_cpu import ROUTER_VERSION, ensure_router  # noqa: E402
 
 BODY = {"model": "stub", "prompt": "hello world", "max_tokens": 16, "stream": True}
 _LUA = """wrk.method = "POST"
@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians reported")
-    ap.add_argument("--router-version", default="0.1.17")
+    ap.add_argument("--router-version", default=ROUTER_VERSION)
     ap.add_argument(
         "--proxy-workers", type=int, nargs="+", default=[1, 2], help="pdserve's --workers values"
     )

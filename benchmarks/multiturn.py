@@ -1,5 +1,5 @@
 """Multi-turn chats: one worker alone vs the local P/D cluster, without and with the reuse of what
-D holds (issue 39's table).
+D holds, and (`--with-vllm`) vLLM's P/D.
 
 Three systems, all up for the whole study (the idle ones sleep), on this machine's cores:
 
@@ -11,7 +11,13 @@ Three systems, all up for the whole study (the idle ones sleep), on this machine
              turn's answer) instead of computing it, and each chat's `X-Session-ID` keeps it on
              its workers; its own workers, so that no system finds another's prompts cached
 
-and issue 39's two workloads, `benchmarks/serve.py --dataset-name multiturn` in-process: each
+With `--with-vllm`, a fourth: `vllm_pd`, vLLM's CPU build as P (first core) and D (second)
+over NixlConnector behind `vllm-router --vllm-pd-disaggregation` (pd_vs_vllm.py's set-up;
+benchmarks/vllm_cpu.py), compiled, in the dtype our workers chose, its prefix caching on (its
+default). Idle vLLM workers keep a core busy, so it runs in a phase of its own each round,
+started for the phase and stopped after it; the phases alternate which goes first.
+
+The workloads, `benchmarks/serve.py --dataset-name multiturn` in-process: each
 conversation's turn k sends the earlier user messages and the answers the server streamed
 (~70-word user messages, greedy, ignore_eos, no think time, one conversation in flight per chat):
 
@@ -21,9 +27,11 @@ conversation's turn k sends the earlier user messages and the answers the server
 
 Each round runs every workload on every system, rotating which goes first; a round has its own
 seeds (the same for every system), so no round finds the last one's prompts cached. Each system
-is warmed up once with a short conversation first. Every run is bounded (`--run-timeout`).
+is warmed up with a short conversation first (vLLM's at each start). Every run is bounded
+(`--run-timeout`).
 
     .venv/bin/python -m benchmarks.multiturn [--rounds 2] [--model DIR] [--quick] [--json OUT]
+                                             [--with-vllm] [--only NAME]
 
 Prints, per workload and system, TTFT p50 of turns 2+ and req/s (the median over rounds, each
 round's in brackets), the ratios to the worker alone and reuse/pd, the share of P's prompt
@@ -46,9 +54,12 @@ from benchmarks.serving.config import BenchConfig
 from benchmarks.serving.conversations import ConversationConfig, load_conversations
 from benchmarks.serving.multiturn import benchmark_conversations
 from benchmarks.serving.runner import LoadConfig
+from benchmarks.vllm_cpu import start_pd
 
 QUIET = ("--log-level", "warning")
 SYSTEMS = ("alone", "pd", "reuse")
+VLLM = "vllm_pd"
+VLLM_MAX_MODEL_LEN = 4096  # the 10-turn chats reach ~3.5k tokens
 BEFORE_REUSE = ("--reverse-pull-min-tokens", "0", "--no-session-affinity")
 WORKLOADS = {
     "4 chats x 6 turns, 32-token answers": ConversationConfig(
@@ -79,6 +90,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=120.0, help="s, one turn")
     p.add_argument("--json", type=Path, help="write every run's aggregates here")
     p.add_argument("--only", help="run only the workloads whose name contains this")
+    p.add_argument("--with-vllm", action="store_true", help="also vLLM's P/D (installed once)")
     p.add_argument(
         "--reuse-proxy-args", default="", help="more flags for the reuse cluster's proxy"
     )
@@ -137,26 +149,62 @@ def study(bench: Bench, urls: dict[str, str], args: argparse.Namespace) -> dict:
     for system, url in urls.items():
         print(f"\n#### {system}: warm-up", flush=True)
         run(url, WARM_UP, 999, args)
-    results: dict[str, dict[str, list[dict]]] = {w: {s: [] for s in urls} for w in workloads}
-    for r in range(args.rounds):
-        for i, (name, conv) in enumerate(workloads.items()):
+    systems = [*urls, VLLM] if args.with_vllm else list(urls)
+    results: dict[str, dict[str, list[dict]]] = {w: {s: [] for s in systems} for w in workloads}
+
+    def measure(r: int, system: str, url: str, i: int, name: str) -> None:
+        bench.check_alive()
+        load = os.getloadavg()[0]
+        print(f"\n#### round {r + 1}: {name} on {system} (load {load:.2f})", flush=True)
+        result = run(url, workloads[name], seed=100 * r + i, args=args)
+        results[name][system].append({"load_avg_1m_before": load, **result})
+
+    def ours(r: int) -> None:
+        for i, name in enumerate(workloads):
             shift = (r + i) % len(urls)
-            order = list(urls)[shift:] + list(urls)[:shift]
-            for system in order:
-                bench.check_alive()
-                load = os.getloadavg()[0]
-                print(f"\n#### round {r + 1}: {name} on {system} (load {load:.2f})", flush=True)
-                result = run(urls[system], conv, seed=100 * r + i, args=args)
-                results[name][system].append({"load_avg_1m_before": load, **result})
+            for system in list(urls)[shift:] + list(urls)[:shift]:
+                measure(r, system, urls[system], i, name)
+
+    def theirs(r: int) -> None:
+        with Bench(f"multiturn_{VLLM}_round{r + 1}") as phase:
+            url = start_vllm(phase, args)
+            print(f"\n#### {VLLM}: warm-up", flush=True)
+            run(url, WARM_UP, 999, args)
+            for i, name in enumerate(workloads):
+                measure(r, VLLM, url, i, name)
+
+    for r in range(args.rounds):
+        phases = [ours, theirs] if args.with_vllm else [ours]
+        for phase in phases[r % len(phases) :] + phases[: r % len(phases)]:
+            phase(r)
     return results
 
 
+def start_vllm(bench: Bench, args: argparse.Namespace) -> str:
+    """vLLM's P/D on the first two cores, in the dtype our workers run (`--dtype auto`)."""
+    import torch
+
+    from common.auto_dtype import choose_auto_dtype
+    from common.model.default_model import default_model_dir
+
+    model = Path(args.model) if args.model else default_model_dir()
+    dtype = str(choose_auto_dtype(torch.device("cpu")).dtype).removeprefix("torch.")
+    cores = sorted(os.sched_getaffinity(0))
+    print(f"\n#### {VLLM}: starting ({dtype}, logs in {bench.log_dir})", flush=True)
+    return start_pd(
+        bench, model, (cores[0], cores[-1]), dtype=dtype, max_model_len=VLLM_MAX_MODEL_LEN
+    )
+
+
 def markdown_table(results: dict) -> str:
+    shown = [s for s in (*SYSTEMS, VLLM) if any(s in by for by in results.values())]
+    theirs = VLLM in shown
     lines = [
-        "| workload | TTFT p50 turns 2+ (ms): alone | pd | reuse | pd/alone | reuse/alone "
-        "| reuse/pd | req/s: alone | pd | reuse | reuse/alone | P's prompt cached: pd | reuse "
-        "| read from D: reuse | turns via P: pd | reuse |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| workload | TTFT p50 turns 2+ (ms): {' | '.join(shown)} | pd/alone | reuse/alone "
+        f"| reuse/pd{' | reuse/vllm_pd' if theirs else ''} | req/s: {' | '.join(shown)} "
+        "| reuse/alone | P's prompt cached: pd | reuse | read from D: reuse "
+        "| turns via P: pd | reuse |",
+        "|---|" + "---:|" * (2 * len(shown) + 9 + theirs),
     ]
     for name, by_system in results.items():
         ttft = {s: [r["by_turn"]["2+"][TTFT] for r in runs] for s, runs in by_system.items()}
@@ -165,11 +213,12 @@ def markdown_table(results: dict) -> str:
         t = {s: statistics.median(v) for s, v in ttft.items()}
         q = {s: statistics.median(v) for s, v in rps.items()}
         cells = [
-            *(_cell(ttft[s], "{:.0f}") for s in SYSTEMS),
+            *(_cell(ttft[s], "{:.0f}") for s in shown),
             f"{t['pd'] / t['alone']:.2f}",
             f"**{t['reuse'] / t['alone']:.2f}**",
             f"{t['reuse'] / t['pd']:.2f}",
-            *(_cell(rps[s], "{:.2f}") for s in SYSTEMS),
+            *([f"{t['reuse'] / t[VLLM]:.2f}"] if theirs else []),
+            *(_cell(rps[s], "{:.2f}") for s in shown),
             f"{q['reuse'] / q['alone']:.2f}",
             _pct(cache["pd"]["prefill_share"]),
             _pct(cache["reuse"]["prefill_share"]),
@@ -204,7 +253,8 @@ def main() -> None:
         affinity = bench.cpu_affinity()
         results = study(bench, urls, args)
     minutes = (time.monotonic() - started) / 60
-    print(f"\n## Multi-turn: alone, P/D, P/D with reuse ({args.rounds} rounds, {minutes:.1f} min)")
+    systems = "alone, P/D, P/D with reuse" + (", vLLM's P/D" if args.with_vllm else "")
+    print(f"\n## Multi-turn: {systems} ({args.rounds} rounds, {minutes:.1f} min)")
     load_end = os.getloadavg()[0]
     print(f"cores: {affinity}; load average at start {load_start[0]:.2f}, end {load_end:.2f}")
     if args.reuse_proxy_args or args.reuse_no_cpu_split:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from benchmarks.cluster import Bench, LocalConfig, free_port
 from benchmarks.serving.sweep import Study, calibrate, parse_args, report, sweep
-from benchmarks.vllm_cpu import ensure_nixl, ensure_router, ensure_vllm, server_command
+from benchmarks.vllm_cpu import ensure_nixl, ensure_vllm, server_command, start_pd
 from common.model.default_model import default_model_dir
 
 SYSTEMS = {
@@ -43,7 +43,6 @@ SYSTEMS = {
     "vllm_pd": "vLLM: P/D (1 + 1 core)",
     "vllm_colocated": "vLLM: colocated (2 cores)",
 }
-ROUTER_VERSION = "0.1.17"
 TITLE = "ours vs vLLM, P/D and colocated: SmolLM2-135M, fp32, 2 CPU cores"
 PHASES = (("pd", "colocated"), ("vllm_pd",), ("vllm_colocated",))
 OURS = ("--dtype", "float32", "--served-model-name", "smol", "--log-level", "warning")
@@ -67,26 +66,15 @@ def start_ours(bench: Bench, study: Study, model: Path) -> dict[str, str]:
 def start_theirs(bench: Bench, study: Study, model: Path, eager: bool, name: str) -> str:
     """vLLM's P/D behind vllm-router, or vLLM colocated; the URL it is measured at."""
     a, b = study.cores
-    python = ensure_vllm()
-
-    def server(name: str, cores: str, role: str | None = None) -> str:
-        port, side = free_port(), free_port()
-        cmd, env = server_command(python, model, port, cores, role, side, enforce_eager=eager)
-        url = bench.start(name, ["taskset", "-c", cores, *cmd], f"http://127.0.0.1:{port}", env).url
-        bench.wait_ok(f"{url}/health", timeout=600)
-        return url
-
-    if name == "vllm_colocated":
-        return server(name, f"{a},{b}")
-    p, d = server("vllm_p", str(a), "kv_producer"), server("vllm_d", str(b), "kv_consumer")
+    if name == "vllm_pd":
+        return start_pd(bench, model, (a, b), enforce_eager=eager)
     port = free_port()
-    router = bench.start("router", [
-        str(ensure_router(ROUTER_VERSION)), "--vllm-pd-disaggregation", "--prefill", p,
-        "--decode", d, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
-        "--log-level", "warning",
-    ], f"http://127.0.0.1:{port}")  # fmt: skip
-    bench.wait_ok(f"{router.url}/health")
-    return router.url
+    cmd, env = server_command(ensure_vllm(), model, port, f"{a},{b}", enforce_eager=eager)
+    url = bench.start(
+        name, ["taskset", "-c", f"{a},{b}", *cmd], f"http://127.0.0.1:{port}", env
+    ).url
+    bench.wait_ok(f"{url}/health", timeout=600)
+    return url
 
 
 def main() -> None:

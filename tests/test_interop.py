@@ -21,11 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.vllm_cpu import ensure_router
+from benchmarks.vllm_cpu import ROUTER_VERSION, ensure_router
 from tests.servers import free_port, kv_sources, wait_until
 from tests.tiny_models import VOCAB
 
-ROUTER_VERSION = "0.1.17"  # as benchmarks/bench_proxy.py measures it
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
