@@ -180,15 +180,21 @@ def study(bench: Bench, urls: dict[str, str], args: argparse.Namespace) -> dict:
     return results
 
 
-def start_vllm(bench: Bench, args: argparse.Namespace) -> str:
-    """vLLM's P/D on the first two cores, in the dtype our workers run (`--dtype auto`)."""
+def workers_dtype() -> str:
+    """What our workers run in here (`--dtype auto`): bfloat16 where the CPU has native bf16."""
     import torch
 
     from common.auto_dtype import choose_auto_dtype
+
+    return str(choose_auto_dtype(torch.device("cpu")).dtype).removeprefix("torch.")
+
+
+def start_vllm(bench: Bench, args: argparse.Namespace) -> str:
+    """vLLM's P/D on the first two cores, in the dtype our workers run."""
     from common.model.default_model import default_model_dir
 
     model = Path(args.model) if args.model else default_model_dir()
-    dtype = str(choose_auto_dtype(torch.device("cpu")).dtype).removeprefix("torch.")
+    dtype = workers_dtype()
     cores = sorted(os.sched_getaffinity(0))
     print(f"\n#### {VLLM}: starting ({dtype}, logs in {bench.log_dir})", flush=True)
     return start_pd(
@@ -257,6 +263,7 @@ def main() -> None:
     print(f"\n## Multi-turn: {systems} ({args.rounds} rounds, {minutes:.1f} min)")
     load_end = os.getloadavg()[0]
     print(f"cores: {affinity}; load average at start {load_start[0]:.2f}, end {load_end:.2f}")
+    print(f"workers' dtype: {workers_dtype()} (--dtype auto)")
     if args.reuse_proxy_args or args.reuse_no_cpu_split:
         split = "every core for P and D" if args.reuse_no_cpu_split else "cores split"
         print(f"reuse cluster: proxy also {args.reuse_proxy_args or '-'}; {split}")
