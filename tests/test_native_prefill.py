@@ -108,27 +108,32 @@ def test_one_call_over_many_sequences_equals_one_call_each(march, dtype):
     assert (out[162:170] == 7.0).all()
 
 
-def test_the_backend_runs_a_steps_new_prefills_in_one_call(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_backend_runs_a_steps_new_prefills_in_one_call(monkeypatch, dtype):
     """The compiled path's backend (native) on a step of two decodes, two prefills without a
-    cached prefix and one with: the kernel runs once, on the two; SDPA the third. All equal the
-    float64 reference as closely as SDPA alone does (fp32: 1e-5)."""
+    cached prefix and one with: in bf16 the kernel runs once, on the two, SDPA the third, and
+    the output is as near float64 as SDPA's alone (rms; largest error at most twice); in fp32
+    (or where this CPU's build does not take bf16) it does not run."""
     from tests.test_attention_backends import SCALE, build_batch, expected_output
 
     backend = TorchPagedBackend(native=True)
     real = backend.native_prefill
     assert real is not None
+    batch = build_batch([(3, 1), (9, 1), (0, 40), (12, 7), (0, 5)], block_size=4)
+    q, k, v, kv_cache = (t.to(dtype) for t in (batch.query, batch.key, batch.value, batch.kv_cache))
+    want = expected_output(batch, None)
+    backend.native_prefill = None  # the same decode path, SDPA for every prefill
+    sdpa = backend.forward(q, k, v, kv_cache.clone(), batch.meta, SCALE, None)
     calls = []
     monkeypatch.setattr(backend, "native_prefill", _Counted(real, calls))
-    batch = build_batch([(3, 1), (9, 1), (0, 40), (12, 7), (0, 5)], block_size=4)
-    out = backend.forward(
-        batch.query, batch.key, batch.value, batch.kv_cache, batch.meta, SCALE, None
-    )
-    runs = real.takes(torch.float32)
+    out = backend.forward(q, k, v, kv_cache, batch.meta, SCALE, None)
+    runs = real.takes(dtype)
     assert calls == ([[2, 49]] if runs else [])  # after the decodes; (12, 7) kept SDPA
-    assert (out.double() - expected_output(batch, None)).abs().max().item() < 1e-5
-    backend.record_prefill_path(torch.float32)
+    ours, theirs = _errors(out, want), _errors(sdpa, want)
+    assert ours[1] <= theirs[1] and ours[0] <= 2 * theirs[0], f"ours {ours}, SDPA's {theirs}"
+    backend.record_prefill_path(dtype)
     made = {c.shape: c for c in choice.choices() if c.kernel == "prefill_attention"}
-    assert made["float32"].path == (real.path if runs else "torch")
+    assert made[str(dtype).removeprefix("torch.")].path == (real.path if runs else "torch")
 
 
 class _Counted:

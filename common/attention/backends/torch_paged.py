@@ -19,9 +19,9 @@ fp32, at batch 32). Eager (`--enforce-eager`) keeps SDPA.
 With `native`, a step's prefill sequences that have no cached prefix (and no sliding window)
 run as one call of the C kernel in native_prefill.c: causal attention of each over its own new
 K/V, OpenMP sharing (sequence, KV head, query block) items out, bf16 products on `vdpbf16ps`
-(benchmarks/bench_prefill_attention.py). Only its AVX-512 code runs in the engine; where the
-kernel was built without AVX-512 (or, for bf16, without AVX512-BF16), prefill keeps SDPA per
-sequence, recorded without timing (the generic C code is tested, not measured against SDPA).
+(benchmarks/bench_prefill_attention.py). The engine runs it in bfloat16 on its AVX-512 BF16
+code only (`NativePrefill.takes`): float32, and builds without AVX-512 BF16 (whose generic C
+code is tested, not measured against SDPA), keep SDPA per sequence, recorded without timing.
 """
 
 from __future__ import annotations
@@ -107,16 +107,16 @@ class TorchPagedBackend(AttentionBackend):
 
     def record_prefill_path(self, dtype: torch.dtype) -> None:
         """Which prefill attention runs (common/native/choice.py), without timing: the C
-        kernel's AVX-512 code, else SDPA."""
+        kernel's AVX-512 BF16 code in bfloat16, else SDPA."""
         if self.native_march is None:
             return
         native, label = self.native_prefill, str(dtype).removeprefix("torch.")
         if native is None:
             choice.record(PREFILL_KERNEL, label, "torch", "C kernel not built or not loaded")
         elif native.takes(dtype):
-            choice.record(PREFILL_KERNEL, label, native.path, "AVX-512 build, kept without timing")
+            choice.record(PREFILL_KERNEL, label, native.path, "AVX-512 BF16 build, kept untimed")
         else:
-            choice.record(PREFILL_KERNEL, label, "torch", f"{native.path} build: SDPA kept")
+            choice.record(PREFILL_KERNEL, label, "torch", f"{native.path} build: SDPA in {label}")
 
     def _prefill_native(self, query, key, value, meta, scale, sliding_window, out) -> frozenset:
         """The prefill sequences without a cached prefix, by the C kernel into `out` in one
