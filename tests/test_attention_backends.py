@@ -157,7 +157,7 @@ def test_decodes_with_only_a_bound_on_the_host(sliding_window, decode):
 def test_the_compiled_path_on_cpu_decodes_with_the_c_kernel(monkeypatch):
     """select_backend's choice for the engine's compiled path (not --enforce-eager) on a CPU:
     the torch backend with the C kernel built, which one call per layer runs for all of a
-    step's decodes (prefills keep SDPA)."""
+    step's decodes (prefills: test_native_prefill.py)."""
     backend = select_backend(torch.device("cpu"), torch.float32, 4, compiled=True)
     assert isinstance(backend, TorchPagedBackend) and backend.native is not None
     assert select_backend(torch.device("cpu"), torch.float32, 4).native is None  # eager

@@ -15,6 +15,13 @@ runs the faster (decode_choice.py). Without it (no C compiler, a failed build),
 torch.compile'd kernel that reads each context by slot inside two float32 reductions: no
 gathered copy of K/V, no mask tensor (up to 1.5x SDPA on the gathered context in bf16, 3.9x in
 fp32, at batch 32). Eager (`--enforce-eager`) keeps SDPA.
+
+With `native`, a step's prefill sequences that have no cached prefix (and no sliding window)
+run as one call of the C kernel in native_prefill.c: causal attention of each over its own new
+K/V, OpenMP sharing (sequence, KV head, query block) items out, bf16 products on `vdpbf16ps`
+(benchmarks/bench_prefill_attention.py). The engine runs it in bfloat16 on its AVX-512 BF16
+code only (`NativePrefill.takes`): float32, and builds without AVX-512 BF16 (whose generic C
+code is tested, not measured against SDPA), keep SDPA per sequence, recorded without timing.
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ from common.attention.backends import decode_choice
 from common.attention.backends.base import AttentionBackend, write_kv
 from common.attention.backends.decode_choice import BATCH_CLASSES, BatchClass, batch_class
 from common.attention.backends.native_decode import SOURCE, NativeDecode, native_decode
+from common.attention.backends.native_prefill import NativePrefill, native_prefill, prefill_seqs
 from common.attention.metadata import AttentionMetadata
+from common.native import choice
 from common.native.build import library_path
 
 
@@ -48,6 +57,7 @@ class TorchPagedBackend(AttentionBackend):
         self.fused_min_tokens = FUSED_MIN_TOKENS if fused_min_tokens is None else fused_min_tokens
         self.native_march = march if native else None
         self.native: NativeDecode | None = native_decode(march) if native else None  # built now
+        self.native_prefill: NativePrefill | None = native_prefill(march) if native else None
         # the batch classes the torch path serves instead of the C kernel, once measured
         self.torch_classes: frozenset[BatchClass] = frozenset()
         # compiled unless only the AVX-512 kernel runs: the AVX2 one is timed against it
@@ -76,8 +86,11 @@ class TorchPagedBackend(AttentionBackend):
         out = torch.empty_like(query)
         if nd:
             out[:nd] = dec
+        done = self._prefill_native(query, key, value, meta, scale, sliding_window, out)
         for i in range(nd, meta.num_seqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            if i in done:
+                continue
             if meta.seq_lens[i] == end - start:  # no cached prefix: attend to the new K/V
                 k, v = key[start:end], value[start:end]
             else:
@@ -87,9 +100,41 @@ class TorchPagedBackend(AttentionBackend):
 
     def warm_up(self, kv_caches: list[torch.Tensor], num_heads: int) -> None:
         """Compile the decode kernel, then choose between it and the C kernel per batch class
-        (`choose_decode_paths`)."""
+        (`choose_decode_paths`); record which prefill attention runs."""
         self._compile_fused(kv_caches, num_heads)
         self.choose_decode_paths(kv_caches[0], num_heads)
+        self.record_prefill_path(kv_caches[0].dtype)
+
+    def record_prefill_path(self, dtype: torch.dtype) -> None:
+        """Which prefill attention runs (common/native/choice.py), without timing: the C
+        kernel's AVX-512 BF16 code in bfloat16, else SDPA."""
+        if self.native_march is None:
+            return
+        native, label = self.native_prefill, str(dtype).removeprefix("torch.")
+        if native is None:
+            choice.record(PREFILL_KERNEL, label, "torch", "C kernel not built or not loaded")
+        elif native.takes(dtype):
+            choice.record(PREFILL_KERNEL, label, native.path, "AVX-512 BF16 build, kept untimed")
+        else:
+            choice.record(PREFILL_KERNEL, label, "torch", f"{native.path} build: SDPA in {label}")
+
+    def _prefill_native(self, query, key, value, meta, scale, sliding_window, out) -> frozenset:
+        """The prefill sequences without a cached prefix, by the C kernel into `out` in one
+        call where it runs this shape; returns their indices (none where it does not)."""
+        native, nd = self.native_prefill, meta.num_decodes
+        if native is None or sliding_window is not None or meta.num_tokens == nd:
+            return frozenset()
+        if not (native.takes(query.dtype) and native.supports(query, key)):
+            return frozenset()
+        if "prefill" not in meta.memo:  # once a step, shared by all layers
+            loc = meta.query_start_loc
+            new = [i for i in range(nd, meta.num_seqs) if meta.seq_lens[i] == meta.query_len(i)]
+            seqs = prefill_seqs([loc[i] for i in new], [loc[i + 1] for i in new]) if new else None
+            meta.memo["prefill"] = (frozenset(new), seqs)
+        done, seqs = meta.memo["prefill"]
+        if done:
+            native(query, key, value, seqs, scale, out=out)
+        return done
 
     def choose_decode_paths(self, kv_cache: torch.Tensor, num_heads: int) -> None:
         """Which decode path each batch class runs, recorded (common/native/choice.py): the
@@ -154,6 +199,8 @@ class TorchPagedBackend(AttentionBackend):
     def _fused_pays(self, meta: AttentionMetadata, nd: int) -> bool:
         return nd > 1 and nd * max(meta.seq_lens[:nd]) >= self.fused_min_tokens
 
+
+PREFILL_KERNEL = "prefill_attention"
 
 # below this many context tokens in a step's decodes (batch x longest), SDPA on the gathered
 # context is as fast or faster: the compiled call's fixed cost (~40 us) dominates
