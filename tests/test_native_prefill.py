@@ -160,8 +160,10 @@ def test_the_bf16_engine_answers_the_same_with_the_kernel(bf16_llm):
     (the kernel taken out of the same engine's backend) the prefill's logits agree within the
     project's bf16 tolerance (5% of the logit range, test_bf16_parity.py, which checks the
     engine against float64 with the kernel in) and the greedy token is the same. Only the
-    prefill runs the kernel, so one new token is enough. Where this CPU's build does not run
-    bf16 in the kernel, both runs are SDPA and the check is that nothing else changed."""
+    prefill runs the kernel, so one new token is enough."""
+    built = native_prefill()
+    if built is None or not built.takes(torch.bfloat16):
+        pytest.skip("this CPU's build runs bf16 prefill attention on SDPA: no kernel to compare")
     layers = bf16_llm.engine.runner.layers.values()
     backends = list({id(layer.backend): layer.backend for layer in layers}.values())
     for length in (150, 37):
@@ -177,8 +179,7 @@ def test_the_bf16_engine_answers_the_same_with_the_kernel(bf16_llm):
         finally:
             for b, native in zip(backends, kept):
                 b.native_prefill = native
-        runs = kept[0] is not None and kept[0].takes(torch.bfloat16)
-        assert bool(calls) == runs  # one call a layer where it runs
+        assert calls, "the kernel ran in the prefill"
         assert with_kernel[0] == with_sdpa[0], f"{length} tokens"
         ours, theirs = with_kernel[1][0].float(), with_sdpa[1][0].float()
         span = (theirs.max() - theirs.min()).item()
