@@ -5,7 +5,7 @@
 times out, or the library does not load, each logged: the caller keeps its torch path. A library
 links the libgomp that torch loaded (same soname), so its threads are torch's OpenMP pool, not a
 second one competing for the cores; ctypes drops the GIL for a call. The kernels share the
-headers in this folder (`#include "../native/sum16.h"` from common/model/, and so on).
+headers in this folder (`#include "../native/sum16.h"` from common/model/, bf16.h, and so on).
 
 `march` builds for another instruction set than the host's (`x86-64-v3`: AVX2 and FMA, no
 AVX-512), so that every path a kernel has can be checked on one machine.
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from common.model.default_model import cache_dir
 
-HEADERS = Path(__file__).parent  # sum16.h: included by the kernels
+HEADERS = Path(__file__).parent  # sum16.h, bf16.h: included by the kernels
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 KERNEL_CACHE_ENV = "PDSERVE_KERNEL_CACHE_DIR"
 BUILD_TIMEOUT_S = 120.0  # a build takes ~1 s; a hung compiler must not hang the start-up

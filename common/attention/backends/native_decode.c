@@ -36,6 +36,7 @@
 #include <omp.h>
 #endif
 
+#include "../../native/bf16.h"
 #include "../../native/sum16.h"
 
 #define MAX_GROUP 16
@@ -46,23 +47,6 @@
 #ifndef PREFETCH_K
 #define PREFETCH_K 32  // K rows requested this many positions ahead (whole tiles)
 #endif
-
-typedef uint16_t bf16_t;
-
-static inline float bf16_to_f32(bf16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline bf16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40);  // NaN stays NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16_t)(u >> 16);
-}
 
 typedef struct {
     const char *q;           // (B, Hkv * G, D)

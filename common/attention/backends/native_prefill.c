@@ -40,28 +40,13 @@
 #include <omp.h>
 #endif
 
+#include "../../native/bf16.h"
+
 #define MAX_GROUP 16
 #define MAX_DIM 256
 #define KT 32          // keys a tile
 #define ROWS 96        // query rows (positions x group heads) a work item aims for
 #define MAX_ROWS 128   // rows a work item holds at most (BQ * G rounded up to 4)
-
-typedef uint16_t bf16_t;
-
-static inline float bf16_to_f32(bf16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline bf16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40);  // NaN stays NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16_t)(u >> 16);
-}
 
 typedef struct {
     const char *q, *k, *v;
