@@ -46,6 +46,7 @@ from common.engine.llm import LLM
 from common.tokenizer import Tokenizer
 from tests.oracle import engine_greedy, hf_greedy
 from tests.test_model_parity import PROMPT_LENS, _prompt
+from tests.test_native_prefill import assert_the_kernel_changes_nothing
 from tests.test_smollm2 import QUESTIONS
 from tests.tiny_models import ARCHS
 
@@ -109,6 +110,8 @@ def test_smollm2_bf16_first_16_tokens_match_transformers_bf16(enforce_eager, smo
                 f"step or transformers' largest bf16 error there ({bound:.4f})"
             )
     assert llm.engine.pool.num_used_blocks == 0
+    if not enforce_eager:  # the same engine with its C prefill attention taken out
+        assert_the_kernel_changes_nothing(llm)
 
 
 def _reference_logits(model, context: list[int], steps: int) -> torch.Tensor:
