@@ -34,7 +34,7 @@ from pathlib import Path
 
 from common.model.default_model import cache_dir
 
-HEADERS = Path(__file__).parent  # sum16.h, bf16.h: included by the kernels
+HEADERS = Path(__file__).parent  # sum16.h, bf16.h, exp512.h: included by the kernels
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 KERNEL_CACHE_ENV = "PDSERVE_KERNEL_CACHE_DIR"
 BUILD_TIMEOUT_S = 120.0  # a build takes ~1 s; a hung compiler must not hang the start-up
