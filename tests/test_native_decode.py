@@ -50,13 +50,17 @@ def _march_params(*marches: str) -> list:
     return params
 
 
-@cache
-def _kernel(march: str):
-    native = native_decode(march)
+def checked_build(native, march: str):
+    """A kernel `native_*(march)` built: it loaded, with the code `MARCHES` expects of it."""
     assert native is not None, f"the kernel did not build for -march={march}"
     want = MARCHES[march][1]
     assert want is None or native.path == want, f"-march={march} built {native.path}"
     return native
+
+
+@cache
+def _kernel(march: str):
+    return checked_build(native_decode(march), march)
 
 
 @cache

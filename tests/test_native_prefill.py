@@ -19,18 +19,14 @@ from common.attention.backends.torch_paged import TorchPagedBackend
 from common.engine.llm import LLM
 from common.native import choice
 from tests.oracle import engine_greedy
-from tests.test_native_decode import MARCHES, _march_params
+from tests.test_native_decode import _march_params, checked_build
 
 LENGTHS = [1, 15, 16, 17, 128, 300]
 
 
 @cache
 def _kernel(march: str):
-    native = native_prefill(march)
-    assert native is not None, f"the kernel did not build for -march={march}"
-    want = MARCHES[march][1]
-    assert want is None or native.path == want, f"-march={march} built {native.path}"
-    return native
+    return checked_build(native_prefill(march), march)
 
 
 def _reference(q, k, v, scale) -> torch.Tensor:
