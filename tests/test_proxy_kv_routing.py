@@ -376,8 +376,9 @@ def test_the_next_turn_reads_the_answer_it_holds_from_the_decode_worker(cluster)
     history = first + answer  # D computed the KV of all but the last token: 11 whole blocks
     assert wait_until(lambda: indexed(c.proxy, c.d) >= blocks_before + 11, 30)
     lent = 'pdserve_proxy_reverse_pulls_total{outcome="lent"}'
-    lent_before, tokens_before = c.proxy.metric(lent), c.proxy.metric(
-        "pdserve_proxy_reverse_pull_tokens_total"
+    lent_before, tokens_before = (
+        c.proxy.metric(lent),
+        c.proxy.metric("pdserve_proxy_reverse_pull_tokens_total"),
     )
     reverse = 'pdserve_kv_loaded_requests_total{mode="reverse"}'
     read_before = sum(p.metric(reverse) for p in c.prefills)
