@@ -109,9 +109,12 @@ def test_the_backend_runs_a_steps_new_prefills_in_one_call(monkeypatch, dtype):
     """The compiled path's backend (native) on a step of two decodes, two prefills without a
     cached prefix and one with: in bf16 the kernel runs once, on the two, SDPA the third, and
     the output is as near float64 as SDPA's alone (rms; largest error at most twice); in fp32
-    (or where this CPU's build does not take bf16) it does not run."""
+    (or where this CPU's build does not take bf16) it does not run. With the engine's switch
+    on (native_prefill.ENGINE_RUNS_IT, off until a bf16 chat answers right with it)."""
+    from common.attention.backends import native_prefill as module
     from tests.test_attention_backends import SCALE, build_batch, expected_output
 
+    monkeypatch.setattr(module, "ENGINE_RUNS_IT", True)
     backend = TorchPagedBackend(native=True)
     real = backend.native_prefill
     assert real is not None

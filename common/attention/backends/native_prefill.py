@@ -27,6 +27,14 @@ MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the kernel's bounds; larger shapes keep SDP
 TILE = 32  # positions a packed K/V tile
 PATHS = {3: "c-avx512-bf16", 2: "c-avx512", 1: "c-avx2", 0: "c-plain"}  # its init()'s answer
 
+# NOTE: off in the engine. With it on, SmolLM2 compiled in bf16 (`LLM(dtype="bfloat16")`)
+# answers "What is the capital of France?" with "L'Étoile, la Marseillaise, la femme, ..."
+# where SDPA answers "The capital of France is Paris.", though every layer's attention output
+# equals SDPA's within bf16 rounding on that prompt: something else in the forward goes wrong
+# while the kernel runs. The kernel stays tested against float64; the backend's wiring is
+# tested with this set.
+ENGINE_RUNS_IT = False
+
 
 class NativePrefill:
     def __init__(self, lib: ctypes.CDLL, path: str):
@@ -46,11 +54,12 @@ class NativePrefill:
         self._pack = torch.empty(0, dtype=torch.uint8)
 
     def takes(self, dtype: torch.dtype) -> bool:
-        """Whether the engine runs `dtype` on this build: bfloat16 on the AVX-512 BF16 code.
-        NOTE: float32 keeps SDPA: the kernel is 1.2-1.9x SDPA there (against 2-3x in bf16),
-        and its different rounding moves SmolLM2's fp32 logits off transformers' by 1.05e-4,
-        over test_smollm2.py's 1e-4 (its error against float64 is no larger than SDPA's)."""
-        return self.path == "c-avx512-bf16" and dtype == torch.bfloat16
+        """Whether the engine runs `dtype` on this build: bfloat16 on the AVX-512 BF16 code,
+        once `ENGINE_RUNS_IT`. NOTE: float32 keeps SDPA: the kernel is 1.2-1.9x SDPA there
+        (against 2-3x in bf16), and its different rounding moves SmolLM2's fp32 logits off
+        transformers' by 1.05e-4, over test_smollm2.py's 1e-4 (its error against float64 is
+        no larger than SDPA's)."""
+        return ENGINE_RUNS_IT and self.path == "c-avx512-bf16" and dtype == torch.bfloat16
 
     @staticmethod
     def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
