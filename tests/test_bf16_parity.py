@@ -41,12 +41,13 @@ import pytest
 import torch
 import transformers
 
+from common.attention.backends.native_prefill import native_prefill
 from common.config import ModelConfig
 from common.engine.llm import LLM
 from common.tokenizer import Tokenizer
 from tests.oracle import engine_greedy, hf_greedy
 from tests.test_model_parity import PROMPT_LENS, _prompt
-from tests.test_native_prefill import assert_the_kernel_changes_nothing
+from tests.test_native_prefill import Counted
 from tests.test_smollm2 import QUESTIONS
 from tests.tiny_models import ARCHS
 
@@ -110,8 +111,62 @@ def test_smollm2_bf16_first_16_tokens_match_transformers_bf16(enforce_eager, smo
                 f"step or transformers' largest bf16 error there ({bound:.4f})"
             )
     assert llm.engine.pool.num_used_blocks == 0
-    if not enforce_eager:  # the same engine with its C prefill attention taken out
-        assert_the_kernel_changes_nothing(llm)
+    if not enforce_eager:
+        _assert_the_prefill_kernel_is_as_near_float64(llm, reference, answers)
+
+
+def _assert_the_prefill_kernel_is_as_near_float64(llm: LLM, reference, answers) -> None:
+    """The compiled engine's C prefill attention (native_prefill.c, where this CPU's build runs
+    it in bf16), on each chat prompt, the prefix cache emptied before each run so that both
+    prefill the whole prompt: with the kernel (it must run), the first step's logits (the only
+    ones it computes) are as near float64 as transformers' bf16 ones within PRECISION_RATIO,
+    centered (a shift of every logit alike changes no probability: the kernel's run moves all of
+    them by up to 0.4 on "What is the capital of France?", SDPA's by 0.05, for a centered error of
+    0.064 against 0.055, transformers' 0.085); and its greedy token is SDPA's (the kernel taken
+    out of the same engine) unless float64 puts the two within a bf16 step. A kernel that rounded
+    the softmax weights to bf16 before p.v was ~10% further from float64 per layer and took "L"
+    over "The" on that question: float64 has them 0.08 apart, below a bf16 step, so both are
+    allowed, and tests/test_native_prefill.py holds the kernel to the float64 answer rounded
+    once."""
+    built = native_prefill()
+    if built is None or not built.takes(torch.bfloat16):
+        return  # this CPU's build keeps SDPA in bf16
+    backends = list(
+        {id(layer.backend): layer.backend for layer in llm.engine.runner.layers.values()}.values()
+    )
+    kept = [b.native_prefill for b in backends]
+
+    def first_step(native: bool, prompt: list[int], calls: list):
+        for b, real in zip(backends, kept):
+            b.native_prefill = Counted(real, calls) if native and real is not None else None
+        llm.engine.pool.reset_prefix_cache()
+        tokens, logits = engine_greedy(llm, prompt, 1)
+        return tokens[0], logits[0].double()
+
+    def centered(x: torch.Tensor) -> float:
+        return (x - x.mean()).abs().mean().item()
+
+    try:
+        for question, (prompt, _, hf_logits) in answers.items():
+            calls = []
+            with torch.no_grad():
+                ref = reference(torch.tensor([prompt])).logits[0, -1].double()
+            token, logits = first_step(True, prompt, calls)
+            assert calls, f"{question!r}: the kernel ran in the prefill"
+            sdpa_token, _ = first_step(False, prompt, [])
+            ours, theirs = centered(logits - ref), centered(hf_logits[0].double() - ref)
+            assert ours <= PRECISION_RATIO * theirs, (
+                f"{question!r}: centered mean |logit - float64| {ours:.4f} with the kernel, "
+                f"transformers' bf16 {theirs:.4f}"
+            )
+            a, b = ref[token].item(), ref[sdpa_token].item()
+            assert abs(a - b) <= _bf16_ulp(max(a, b)), (
+                f"{question!r}: the kernel picks {token}, SDPA {sdpa_token}; float64 puts them "
+                f"at {a:.4f} and {b:.4f}, more than a bf16 step apart"
+            )
+    finally:
+        for b, real in zip(backends, kept):
+            b.native_prefill = real
 
 
 def _reference_logits(model, context: list[int], steps: int) -> torch.Tensor:

@@ -10,14 +10,15 @@
 //      (rows = BQ * G, ordered position-major); it walks the key tiles up to its last position,
 //      four rows at a time, with an online (flash-style) softmax in float32: per row a running
 //      max m, sum l and output accumulator O, rescaled when m grows.
-// Float32 accumulation throughout. With AVX-512 BF16, bf16 q.k and p.v run on `vdpbf16ps`
-// (exact products of bf16 pairs, float32 sums): K packed as (D/2 pairs, 32 keys, 2), V as (16
-// key pairs, D, 2), and the softmax numerators p rounded to bf16 for p.v, as torch's flash
-// kernel does; l sums the rounded p, so the weights applied are the ones normalized. With
-// AVX-512 and float32 inputs, the same tiles in float32 and `vfmadd`. Otherwise (AVX2, no
-// AVX-512, bf16 without AVX512-BF16, head dims not a multiple of 16) the generic code: float32
-// tiles and plain C loops over 32 keys and over D, which -O3 vectorizes for the target
-// (`pdserve_prefill_attention_init()` says which was built).
+// Float32 accumulation throughout. With AVX-512 BF16, q.k runs on `vdpbf16ps` (exact products
+// of bf16 pairs, float32 sums; K packed as (D/2 pairs, 32 keys, 2)); p.v runs in float32 on V
+// packed as (32 keys, D) floats, with p unrounded: rounding p to bf16 for `vdpbf16ps` there
+// was ~15% faster but put each output ~10% further from float64 than a correctly rounded one,
+// enough to flip a greedy near-tie (SmolLM2's first token for "What is the capital of
+// France?"). With AVX-512 and float32 inputs, the same tiles in float32 and `vfmadd`.
+// Otherwise (AVX2, no AVX-512, bf16 without AVX512-BF16, head dims not a multiple of 16) the
+// generic code: float32 tiles and plain C loops over 32 keys and over D, which -O3 vectorizes
+// for the target (`pdserve_prefill_attention_init()` says which was built).
 
 #include <math.h>
 #include <stdint.h>
@@ -66,15 +67,20 @@ static inline float load(const char *p, int64_t i, int elem) {
     return elem == 2 ? bf16_to_f32(((const bf16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-// bytes of one packed tile of K (and as many of V) for one KV head
-static int64_t tile_bytes(int64_t head_dim, int mode) {
+// bytes of one packed tile of K for one KV head (bf16 pairs in mode 2, else float32); its V
+// tile, always float32, takes KT * head_dim * 4
+static int64_t k_tile_bytes(int64_t head_dim, int mode) {
     return KT * head_dim * (mode == 2 ? 2 : 4);
+}
+
+static int64_t tile_pair_bytes(int64_t head_dim, int mode) {
+    return k_tile_bytes(head_dim, mode) + KT * head_dim * 4;
 }
 
 // the packed K tile t of sequence s, KV head h; its V tile follows it
 static char *tile_at(const Args *a, int64_t s, int64_t h, int64_t t) {
-    const int64_t tb = tile_bytes(a->head_dim, a->mode);
-    return a->pack + ((a->pack_at[s] + t) * a->num_kv_heads + h) * 2 * tb;
+    const int64_t pair = tile_pair_bytes(a->head_dim, a->mode);
+    return a->pack + ((a->pack_at[s] + t) * a->num_kv_heads + h) * pair;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -82,23 +88,20 @@ static char *tile_at(const Args *a, int64_t s, int64_t h, int64_t t) {
 
 static void pack_tile(const Args *a, int64_t s, int64_t h, int64_t t) {
     const int64_t D = a->head_dim, n = a->end[s] - a->begin[s], k0 = t * KT;
-    const int64_t tb = tile_bytes(D, a->mode);
-    char *kp = tile_at(a, s, h, t), *vp = kp + tb;
-    memset(kp, 0, 2 * tb);
+    char *kp = tile_at(a, s, h, t), *vp = kp + k_tile_bytes(D, a->mode);
+    memset(kp, 0, tile_pair_bytes(D, a->mode));
     const char *krow = a->k + ((a->begin[s] + k0) * a->k_stride + h * D) * a->elem;
     const char *vrow = a->v + ((a->begin[s] + k0) * a->v_stride + h * D) * a->elem;
     const int64_t kstep = a->k_stride * a->elem, vstep = a->v_stride * a->elem;
     for (int64_t j = 0; j < KT && k0 + j < n; j++) {
         const char *kr = krow + j * kstep, *vr = vrow + j * vstep;
-        if (a->mode == 2) {  // K (D/2, KT, 2) as 32-bit pairs; V (KT/2, D, 2)
+        if (a->mode == 2) {  // K (D/2, KT, 2) as 32-bit pairs of bf16
             const uint32_t *k32 = (const uint32_t *)kr;
             for (int64_t p = 0; p < D / 2; p++) ((uint32_t *)kp)[p * KT + j] = k32[p];
-            bf16_t *vd = (bf16_t *)vp + (j / 2) * D * 2 + (j & 1);
-            for (int64_t d = 0; d < D; d++) vd[2 * d] = ((const bf16_t *)vr)[d];
-        } else {  // K (D, KT), V (KT, D), float32
+        } else {  // K (D, KT) float32
             for (int64_t d = 0; d < D; d++) ((float *)kp)[d * KT + j] = load(kr, d, a->elem);
-            for (int64_t d = 0; d < D; d++) ((float *)vp)[j * D + d] = load(vr, d, a->elem);
         }
+        for (int64_t d = 0; d < D; d++) ((float *)vp)[j * D + d] = load(vr, d, a->elem);  // (KT, D)
     }
 }
 
@@ -223,11 +226,11 @@ static inline __attribute__((always_inline)) void scores4(const Item *it, int64_
     }
 }
 
-// online softmax of one row's 32 scores: p written to `pw` (32 bf16, or 32 float32); m, l and
+// online softmax of one row's 32 scores: p written to `pw` (32 float32); m, l and
 // the row's O (rescaled) updated
 static inline __attribute__((always_inline)) void softmax_row(const Item *it, int64_t r,
                                                               int64_t k0, __m512 s0, __m512 s1,
-                                                              void *pw, int bf) {
+                                                              float *pw) {
     const int64_t D = it->a->head_dim;
     const int64_t valid = it->pos[r] - k0 + 1;  // keys of the tile this row sees (may be <= 0)
     const int64_t v0 = valid < 0 ? 0 : valid > 16 ? 16 : valid;
@@ -250,21 +253,8 @@ static inline __attribute__((always_inline)) void softmax_row(const Item *it, in
     const __m512 mx = _mm512_set1_ps(it->m[r]);
     __m512 p0 = _mm512_maskz_mov_ps(m0, exp512(_mm512_sub_ps(s0, mx)));
     __m512 p1 = _mm512_maskz_mov_ps(m1, exp512(_mm512_sub_ps(s1, mx)));
-#if ISA == 3
-    if (bf) {
-        const __m512i pb = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // keys 0-31 in order
-        _mm512_storeu_si512(pw, pb);
-        // the sum of the rounded values: the weights p.v applies
-        p0 = bf16x16_to_f32(_mm512_castsi512_si256(pb));
-        p1 = bf16x16_to_f32(_mm512_extracti64x4_epi64(pb, 1));
-        p0 = _mm512_add_ps(p0, p1);
-        _mm512_storeu_ps(it->lv + 16 * r, _mm512_add_ps(p0, _mm512_loadu_ps(it->lv + 16 * r)));
-        return;
-    }
-#endif
-    (void)bf;
     _mm512_storeu_ps(pw, p0);
-    _mm512_storeu_ps((float *)pw + 16, p1);
+    _mm512_storeu_ps(pw + 16, p1);
     p0 = _mm512_add_ps(p0, p1);
     _mm512_storeu_ps(it->lv + 16 * r, _mm512_add_ps(p0, _mm512_loadu_ps(it->lv + 16 * r)));
 }
@@ -272,43 +262,20 @@ static inline __attribute__((always_inline)) void softmax_row(const Item *it, in
 // O of 4 rows, head dims [c0 * 16, (c0 + NC) * 16), += p . v over one tile: 4 * NC
 // accumulators in registers (NC a constant where inlined)
 static inline __attribute__((always_inline)) void pv4(const Item *it, int64_t r0, const char *vp,
-                                                      const void *pbuf, int64_t c0, int NC,
-                                                      int bf) {
+                                                      const float *pf, int64_t c0, int NC) {
     const int64_t D = it->a->head_dim;
     __m512 acc[4][4];
     for (int i = 0; i < 4; i++)
         for (int c = 0; c < NC; c++) acc[i][c] = _mm512_setzero_ps();  // the tile's sum
-#if ISA == 3
-    if (bf) {
-        const int32_t *pp = (const int32_t *)pbuf;  // (4, 16) pairs of bf16 p
-        for (int64_t kp = 0; kp < KT / 2; kp++) {
-            const char *v = vp + (kp * D + c0 * 16) * 4;  // (D, 2) bf16 of keys 2kp, 2kp+1
-            __m512bh x[4];
-            for (int c = 0; c < NC; c++) x[c] = (__m512bh)_mm512_loadu_si512(v + c * 64);
-            for (int i = 0; i < 4; i++) {
-                const __m512bh b = (__m512bh)_mm512_set1_epi32(pp[i * KT / 2 + kp]);
-                for (int c = 0; c < NC; c++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], b, x[c]);
-            }
-        }
-        goto store;
-    }
-#endif
-    (void)bf;
-    {
-        const float *pf = (const float *)pbuf;  // (4, 32)
-        for (int64_t j = 0; j < KT; j++) {
-            const float *v = (const float *)vp + j * D + c0 * 16;
-            __m512 x[4];
-            for (int c = 0; c < NC; c++) x[c] = _mm512_loadu_ps(v + c * 16);
-            for (int i = 0; i < 4; i++) {
-                const __m512 b = _mm512_set1_ps(pf[i * KT + j]);
-                for (int c = 0; c < NC; c++) acc[i][c] = _mm512_fmadd_ps(b, x[c], acc[i][c]);
-            }
+    for (int64_t j = 0; j < KT; j++) {
+        const float *v = (const float *)vp + j * D + c0 * 16;
+        __m512 x[4];
+        for (int c = 0; c < NC; c++) x[c] = _mm512_loadu_ps(v + c * 16);
+        for (int i = 0; i < 4; i++) {
+            const __m512 b = _mm512_set1_ps(pf[i * KT + j]);
+            for (int c = 0; c < NC; c++) acc[i][c] = _mm512_fmadd_ps(b, x[c], acc[i][c]);
         }
     }
-#if ISA == 3
-store:
-#endif
     for (int i = 0; i < 4; i++)
         for (int c = 0; c < NC; c++) {
             float *o = it->o + (r0 + i) * D + (c0 + c) * 16;
@@ -320,21 +287,19 @@ store:
 static inline __attribute__((always_inline)) void rows4_tile(const Item *it, int64_t r0,
                                                              int64_t t, int bf) {
     const Args *a = it->a;
-    const int64_t D = a->head_dim, tb = tile_bytes(D, a->mode);
-    const char *kp = tile_at(a, it->s, it->h, t), *vp = kp + tb;
+    const int64_t D = a->head_dim;
+    const char *kp = tile_at(a, it->s, it->h, t), *vp = kp + k_tile_bytes(D, a->mode);
     __m512 s[4][2];
     scores4(it, r0, kp, s, bf);
-    float pbuf[4 * KT];  // 4 rows of p: bf16 pairs or float32
-    for (int i = 0; i < 4; i++)
-        softmax_row(it, r0 + i, t * KT, s[i][0], s[i][1],
-                    bf ? (void *)((char *)pbuf + i * KT * 2) : (void *)(pbuf + i * KT), bf);
+    float pbuf[4 * KT];  // 4 rows of p in float32
+    for (int i = 0; i < 4; i++) softmax_row(it, r0 + i, t * KT, s[i][0], s[i][1], pbuf + i * KT);
     const int64_t chunks = D / 16;
     for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
         switch (chunks - c0 < 4 ? chunks - c0 : 4) {
-            case 1: pv4(it, r0, vp, pbuf, c0, 1, bf); break;
-            case 2: pv4(it, r0, vp, pbuf, c0, 2, bf); break;
-            case 3: pv4(it, r0, vp, pbuf, c0, 3, bf); break;
-            default: pv4(it, r0, vp, pbuf, c0, 4, bf); break;
+            case 1: pv4(it, r0, vp, pbuf, c0, 1); break;
+            case 2: pv4(it, r0, vp, pbuf, c0, 2); break;
+            case 3: pv4(it, r0, vp, pbuf, c0, 3); break;
+            default: pv4(it, r0, vp, pbuf, c0, 4); break;
         }
     }
 }
@@ -422,7 +387,7 @@ int64_t pdserve_prefill_attention_scratch(int64_t head_dim) {
 int64_t pdserve_prefill_attention_pack_bytes(int64_t num_tiles, int64_t num_kv_heads,
                                              int64_t head_dim, int is_bf16) {
     const int mode = is_bf16 && ISA == 3 && head_dim % 16 == 0 ? 2 : 0;
-    return num_tiles * num_kv_heads * 2 * tile_bytes(head_dim, mode);
+    return num_tiles * num_kv_heads * tile_pair_bytes(head_dim, mode);
 }
 
 int pdserve_prefill_attention(const void *q, void *out, const void *k, const void *v,

@@ -4,11 +4,11 @@
 `native_prefill()` returns a `NativePrefill` around the built library, or None where it could
 not be built or loaded: the caller keeps SDPA. One call attends all of a step's prefill
 sequences that have no cached prefix, each over its own new K/V. `NativePrefill.path` names the
-code the library was built with: "c-avx512-bf16" (AVX-512, bf16 products on `vdpbf16ps`),
-"c-avx512" (AVX-512 without BF16: float32 vector code; bf16 inputs take the generic loops),
-"c-avx2" or "c-plain" (the generic C loops, vectorized by the compiler for AVX2 and FMA, or not
-at all). `march` builds it for another instruction set than this CPU's (tests and benchmarks
-check every path on one machine).
+code the library was built with: "c-avx512-bf16" (AVX-512, q.k's bf16 products on
+`vdpbf16ps`, p.v in float32), "c-avx512" (AVX-512 without BF16: float32 vector code; bf16
+inputs take the generic loops), "c-avx2" or "c-plain" (the generic C loops, vectorized by the
+compiler for AVX2 and FMA, or not at all). `march` builds it for another instruction set than
+this CPU's (tests and benchmarks check every path on one machine).
 """
 
 from __future__ import annotations
@@ -26,14 +26,6 @@ SOURCE = Path(__file__).with_suffix(".c")
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the kernel's bounds; larger shapes keep SDPA
 TILE = 32  # positions a packed K/V tile
 PATHS = {3: "c-avx512-bf16", 2: "c-avx512", 1: "c-avx2", 0: "c-plain"}  # its init()'s answer
-
-# NOTE: off in the engine. With it on, SmolLM2 compiled in bf16 (`LLM(dtype="bfloat16")`)
-# answers "What is the capital of France?" with "L'Étoile, la Marseillaise, la femme, ..."
-# where SDPA answers "The capital of France is Paris.", though every layer's attention output
-# equals SDPA's within bf16 rounding on that prompt: something else in the forward goes wrong
-# while the kernel runs. The kernel stays tested against float64; the backend's wiring is
-# tested with this set.
-ENGINE_RUNS_IT = False
 
 
 class NativePrefill:
@@ -54,12 +46,12 @@ class NativePrefill:
         self._pack = torch.empty(0, dtype=torch.uint8)
 
     def takes(self, dtype: torch.dtype) -> bool:
-        """Whether the engine runs `dtype` on this build: bfloat16 on the AVX-512 BF16 code,
-        once `ENGINE_RUNS_IT`. NOTE: float32 keeps SDPA: the kernel is 1.2-1.9x SDPA there
+        """Whether the engine runs `dtype` on this build: bfloat16 on the AVX-512 BF16 code.
+        NOTE: float32 keeps SDPA: the kernel is 1.2-1.9x SDPA there
         (against 2-3x in bf16), and its different rounding moves SmolLM2's fp32 logits off
         transformers' by 1.05e-4, over test_smollm2.py's 1e-4 (its error against float64 is
         no larger than SDPA's)."""
-        return ENGINE_RUNS_IT and self.path == "c-avx512-bf16" and dtype == torch.bfloat16
+        return self.path == "c-avx512-bf16" and dtype == torch.bfloat16
 
     @staticmethod
     def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
