@@ -8,7 +8,11 @@ second one competing for the cores; ctypes drops the GIL for a call. The kernels
 headers in this folder (`#include "../native/sum16.h"` from common/model/, bf16.h, and so on).
 
 `march` builds for another instruction set than the host's (`x86-64-v3`: AVX2 and FMA, no
-AVX-512), so that every path a kernel has can be checked on one machine.
+AVX-512), so that every path a kernel has can be checked on one machine. `$PDSERVE_KERNEL_MARCH`
+replaces "native" for every kernel the engine builds: with `ATEN_CPU_CAPABILITY=avx2
+ONEDNN_MAX_CPU_ISA=AVX2` (torch's and oneDNN's own limits, which `--dtype auto` also reads), an
+AVX-512 machine runs the code an AVX2-only one runs (`x86-64-v3`); give it its own
+`TORCHINDUCTOR_CACHE_DIR`, as inductor's cache key leaves torch's limit out.
 
 The cache is code this process will run, so it trusts only what it could have written itself:
 - the folder belongs to the process's user, mode 0700 (made so, or set so where it is ours);
@@ -37,6 +41,7 @@ from common.model.default_model import cache_dir
 HEADERS = Path(__file__).parent  # sum16.h, bf16.h, exp512.h: included by the kernels
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 KERNEL_CACHE_ENV = "PDSERVE_KERNEL_CACHE_DIR"
+MARCH_ENV = "PDSERVE_KERNEL_MARCH"
 BUILD_TIMEOUT_S = 120.0  # a build takes ~1 s; a hung compiler must not hang the start-up
 
 logger = logging.getLogger(__name__)
@@ -74,6 +79,8 @@ def _compiler() -> str | None:
 
 
 def _flags(march: str) -> list[str]:
+    if march == "native":
+        march = os.environ.get(MARCH_ENV) or march
     return [*FLAGS, f"-march={march}"]
 
 
