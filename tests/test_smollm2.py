@@ -22,6 +22,13 @@ QUESTIONS = [
     "Explain in one sentence what a GPU does.",
 ]
 NEW_TOKENS = 32
+# fp32, max |logit - transformers' fp32 logit| over the 32 steps (logits span ~30): two fp32
+# implementations that sum in different orders over 30 layers. Measured up to 0.83e-4 on an
+# AVX-512 BF16 EPYC and 1.2e-4 with this machine running an AVX2 box's code (C kernels built
+# for x86-64-v3, torch and oneDNN limited to AVX2: common/native/build.py); transformers' own
+# fp32 is up to 0.6e-4 from float64 there. A wrong rope, mask or cache read moves logits by
+# 1e-1 or more.
+LOGIT_TOL = 2e-4
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["eager", "compiled"])
@@ -58,7 +65,7 @@ def test_greedy_tokens_and_logits_match_transformers(llm, hf_reference):
         tokens, logits = engine_greedy(llm, prompt, NEW_TOKENS)
         assert tokens == hf_tokens, question
         diff = (logits - hf_logits).abs().max().item()
-        assert diff < 1e-4, f"{question!r}: max |logit diff| {diff:.2e}"
+        assert diff < LOGIT_TOL, f"{question!r}: max |logit diff| {diff:.2e}"
     assert llm.engine.pool.num_used_blocks == 0
 
 

@@ -47,10 +47,10 @@ class NativePrefill:
 
     def takes(self, dtype: torch.dtype) -> bool:
         """Whether the engine runs `dtype` on this build: bfloat16 on the AVX-512 BF16 code.
-        NOTE: float32 keeps SDPA: the kernel is 1.2-1.9x SDPA there
-        (against 2-3x in bf16), and its different rounding moves SmolLM2's fp32 logits off
-        transformers' by 1.05e-4, over test_smollm2.py's 1e-4 (its error against float64 is
-        no larger than SDPA's)."""
+        NOTE: float32 keeps SDPA: the kernel is 1.2-1.8x SDPA there (2.6x in bf16), and
+        its different rounding moved SmolLM2's fp32 logits 1.05e-4 off transformers', over
+        test_smollm2.py's bound of the time (1e-4, now 2e-4; its error against float64 is no
+        larger than SDPA's). Not tried in the engine since."""
         return self.path == "c-avx512-bf16" and dtype == torch.bfloat16
 
     @staticmethod
