@@ -22,6 +22,14 @@ commit and the load average.
     python -m benchmarks.bench_engine --peer vllm --dtype float32 [--rounds 3]
                                       [--vllm-configs inproc:all mp:all mp:auto]
 
+With `--peer no-kernels`, this engine against itself without its C kernels (no compiler: the
+torch and oneDNN paths), interleaved the same way: whether the kernels ever cost speed, on any
+machine, and on an AVX-512 one as an AVX2-only one runs it with
+`PDSERVE_KERNEL_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` (and a private
+`TORCHINDUCTOR_CACHE_DIR`; the header prints those limits).
+
+    python -m benchmarks.bench_engine --peer no-kernels --dtype auto [--rounds 3]
+
 The engine runs its compiled forward (the default); `--with-eager` adds a column for the eager
 path (`--enforce-eager`) in the same run, `--enforce-eager` benchmarks the eager path alone.
 
@@ -278,6 +286,37 @@ def bench_against_vllm(args, dtype: str, prompts: list[list[int]], vllm_python: 
     print_against_vllm(dtype, peers, results, args)
 
 
+def bench_against_no_kernels(args, dtype: str, prompts: list[list[int]]) -> None:
+    """This engine with and without its C kernels (CC names no compiler), interleaved."""
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="bench_peers_") as tmp:
+        prompts_file = Path(tmp) / "prompts.json"
+        prompts_file.write_text(json.dumps(prompts))
+        cmd = [sys.executable, "-m", "benchmarks.engine_peer", str(prompts_file)]
+        cmd += ["--dtype", dtype] + (["--enforce-eager"] if args.enforce_eager else [])
+        env = peer_env(args.concurrency, args.new_tokens, PYTHONPATH=str(root))
+        bare = dict(env, CC="pdserve-no-c-compiler")
+        peers = [
+            Peer("engine", cmd, env, BENCH_DIR / f"engine-{dtype}.log"),
+            Peer("no C kernels", cmd, bare, BENCH_DIR / f"engine-bare-{dtype}.log"),
+        ]
+        try:
+            for peer in peers:
+                peer.start()
+                print(f"  {peer.name} ready: {peer.info}", flush=True)
+            results = interleave(peers, args.concurrency, args.rounds)
+        finally:
+            for peer in peers:
+                peer.stop()
+    print(f"\n{dtype}, {args.rounds} rounds interleaved; tok/s median [min-max]")
+    print("batch | engine | no C kernels | engine / no C kernels | per round")
+    for c in args.concurrency:
+        ours, bare = results["engine"][c], results["no C kernels"][c]
+        per_round = ", ".join(f"{a / b:.2f}" for a, b in zip(ours, bare, strict=True))
+        ratio = statistics.median(ours) / statistics.median(bare)
+        print(f"{c} | {spread(ours)} | {spread(bare)} | {ratio:.2f} | {per_round}")
+
+
 def print_against_vllm(dtype: str, peers: list[Peer], results: dict, args) -> None:
     print(f"\n{dtype}, {args.rounds} rounds interleaved; tok/s median [min-max]")
     names = [p.name for p in peers]
@@ -300,7 +339,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--peer", choices=["vllm"], help="also run vLLM (installed once)")
+    parser.add_argument(
+        "--peer",
+        choices=["vllm", "no-kernels"],
+        help="vLLM (installed once), or this engine without its C kernels",
+    )
     parser.add_argument("--vllm-version", default="0.32.0")
     parser.add_argument("--rounds", type=int, default=3, help="with --peer: interleaved rounds")
     parser.add_argument(
@@ -325,6 +368,11 @@ def main() -> None:
     print(f"machine: {torch.get_num_threads()} threads, memory read {gbps:.1f} GB/s")
     if args.tensor_parallel_size:
         bench_tp(args, prompts.tolist())
+        return
+    if args.peer == "no-kernels":
+        for dtype in args.dtype:
+            bench_against_no_kernels(args, dtype, prompts.tolist())
+        print(machine_header())
         return
     if vllm_python is not None:
         for dtype in args.dtype:

@@ -126,6 +126,10 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
 
 
+# what makes this machine run another instruction set's code (common/native/build.py)
+ISA_LIMITS = ("PDSERVE_KERNEL_MARCH", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+
+
 def machine_header() -> str:
     """The CPU, the flags that choose kernels, the commit and the load: what a figure needs."""
     model, flags = platform.processor(), set()
@@ -144,7 +148,9 @@ def machine_header() -> str:
         ["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True, text=True
     ).stdout.strip()
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    limits = [f"{k}={os.environ[k]}" for k in ISA_LIMITS if os.environ.get(k)]
     return (
         f"cpu: {model}; {os.cpu_count()} cores; flags: {' '.join(isa) or 'none of avx2/avx512'}\n"
-        f"commit: {commit or 'unknown'}; load average (1/5/15 min): {load}"
+        + (f"instruction sets limited: {' '.join(limits)}\n" if limits else "")
+        + f"commit: {commit or 'unknown'}; load average (1/5/15 min): {load}"
     )
