@@ -33,6 +33,15 @@ is warmed up with a short conversation first (vLLM's at each start). Every run i
     .venv/bin/python -m benchmarks.multiturn [--rounds 2] [--model DIR] [--quick] [--json OUT]
                                              [--with-vllm] [--only NAME]
 
+`--sweep`: goodput under rising load instead, on `pd` and `reuse` (and `alone`, unless
+`--systems` leaves it out): 6 chats x 4 turns of 64-token answers, each turn sent an
+exponential think time after the last answer (mean 8 s, 2 s, then none: the offered load
+rises), goodput being the turns that meet every SLO (`--goodput`, default TTFT 2000 ms and
+TPOT 100 ms, vLLM's definition) a second.
+
+    .venv/bin/python -m benchmarks.multiturn --sweep [--rounds 2] [--systems pd reuse]
+                                             [--goodput ttft:2000 tpot:100]
+
 Prints, per workload and system, TTFT p50 of turns 2+ and req/s (the median over rounds, each
 round's in brackets), the ratios to the worker alone and reuse/pd, the share of P's prompt
 tokens it found in its cache or read from D (the last round's) and how many turns went through P.
@@ -50,6 +59,7 @@ import time
 from pathlib import Path
 
 from benchmarks.cluster import Bench, LocalConfig
+from benchmarks.serve import slo
 from benchmarks.serving.config import BenchConfig
 from benchmarks.serving.conversations import ConversationConfig, load_conversations
 from benchmarks.serving.multiturn import benchmark_conversations
@@ -77,6 +87,18 @@ QUICK = {
         num_conversations=2, num_turns=2, user_len=20, output_len=8
     ),
 }
+SWEEP = {
+    f"6 chats x 4 turns, 64-token answers, think {think:g} s": ConversationConfig(
+        num_conversations=6,
+        num_turns=4,
+        user_len=70,
+        output_len=64,
+        think_time=think,
+        think_time_dist="exponential",
+    )
+    for think in (8.0, 2.0, 0.0)
+}
+SWEEP_SLOS = ("ttft:2000", "tpot:100")
 WARM_UP = ConversationConfig(num_conversations=1, num_turns=2, user_len=20, output_len=8)
 TTFT = "median_ttft_ms"  # of by_turn["2+"]
 
@@ -91,6 +113,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="write every run's aggregates here")
     p.add_argument("--only", help="run only the workloads whose name contains this")
     p.add_argument("--with-vllm", action="store_true", help="also vLLM's P/D (installed once)")
+    p.add_argument("--sweep", action="store_true", help="goodput under rising load (above)")
+    p.add_argument(
+        "--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="which of ours run"
+    )
+    p.add_argument("--goodput", type=slo, nargs="+", metavar="KEY:MS", help="SLOs (ms)")
     p.add_argument(
         "--reuse-proxy-args", default="", help="more flags for the reuse cluster's proxy"
     )
@@ -102,6 +129,8 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.rounds < 1 or not args.run_timeout > 0:
         p.error("--rounds must be >= 1 and --run-timeout > 0")
+    if args.goodput is None:
+        args.goodput = [slo(x) for x in SWEEP_SLOS] if args.sweep else []
     return args
 
 
@@ -112,6 +141,8 @@ def start_systems(bench: Bench, model: str | None, args: argparse.Namespace) -> 
     clusters = {}
     reuse = tuple(shlex.split(args.reuse_proxy_args))
     for name, extra in (("pd", BEFORE_REUSE), ("reuse", reuse)):
+        if name not in args.systems:
+            continue
         split = not (name == "reuse" and args.reuse_no_cpu_split)
         proxy_args = (*QUIET, *extra)
         cfg = LocalConfig(
@@ -119,11 +150,14 @@ def start_systems(bench: Bench, model: str | None, args: argparse.Namespace) -> 
         )
         clusters[name] = bench.cluster(cfg, name)
         bench.wait_ready(clusters[name])  # before the next picks its ports
-    alone_args = [*model_args, *QUIET, "--kv-connector", "none"]
-    cpus = ",".join(map(str, cores))
-    alone = bench.worker("alone", "decode", alone_args, cores=cpus, threads=len(cores))
-    bench.wait_ok(f"{alone.url}/health")
-    return {"alone": alone.url, **{name: c.proxy.url for name, c in clusters.items()}}
+    urls = {name: c.proxy.url for name, c in clusters.items()}
+    if "alone" in args.systems:
+        alone_args = [*model_args, *QUIET, "--kv-connector", "none"]
+        cpus = ",".join(map(str, cores))
+        alone = bench.worker("alone", "decode", alone_args, cores=cpus, threads=len(cores))
+        bench.wait_ok(f"{alone.url}/health")
+        urls = {"alone": alone.url, **urls}
+    return urls
 
 
 def run(url: str, conv: ConversationConfig, seed: int, args: argparse.Namespace) -> dict:
@@ -135,6 +169,7 @@ def run(url: str, conv: ConversationConfig, seed: int, args: argparse.Namespace)
         num_prompts=conv.num_conversations * conv.num_turns,
         seed=seed,
         conversations=conv,
+        slos_ms=dict(args.goodput),
         load=LoadConfig(max_concurrency=conv.num_conversations, show_progress=False),
     )
     system, conversations = load_conversations(conv, seed)
@@ -144,7 +179,7 @@ def run(url: str, conv: ConversationConfig, seed: int, args: argparse.Namespace)
 
 
 def study(bench: Bench, urls: dict[str, str], args: argparse.Namespace) -> dict:
-    workloads = QUICK if args.quick else WORKLOADS
+    workloads = QUICK if args.quick else SWEEP if args.sweep else WORKLOADS
     workloads = {k: v for k, v in workloads.items() if not args.only or args.only in k}
     for system, url in urls.items():
         print(f"\n#### {system}: warm-up", flush=True)
@@ -236,6 +271,32 @@ def markdown_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def goodput_table(results: dict, slos: list[tuple[str, float]]) -> str:
+    """Per load: each system's goodput (req/s meeting every SLO) and TTFT p50 / p90 of every
+    turn, medians over rounds [each round]."""
+    shown = [s for s in (*SYSTEMS, VLLM) if any(s in by for by in results.values())]
+    both = "pd" in shown and "reuse" in shown
+    names = " and ".join(f"{k} <= {v:g} ms" for k, v in slos)
+    lines = [
+        f"goodput: turns a second meeting {names}",
+        f"| load | goodput (req/s): {' | '.join(shown)}{' | reuse/pd' if both else ''} "
+        f"| TTFT p50 / p90 (ms): {' | '.join(shown)} |",
+        "|---|" + "---:|" * (2 * len(shown) + both),
+    ]
+    for name, by_system in results.items():
+        good = {s: [r["request_goodput"] for r in runs] for s, runs in by_system.items()}
+        cells = [_cell(good[s], "{:.2f}") for s in shown]
+        if both:
+            pd, reuse = statistics.median(good["pd"]), statistics.median(good["reuse"])
+            cells.append(f"**{reuse / pd:.2f}**" if pd else "-")
+        for s in shown:
+            p50 = statistics.median(r["median_ttft_ms"] for r in by_system[s])
+            p90 = statistics.median(r["p90_ttft_ms"] for r in by_system[s])
+            cells.append(f"{p50:.0f} / {p90:.0f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _cell(values: list[float], fmt: str) -> str:
     each = ", ".join(fmt.format(x) for x in values)
     return fmt.format(statistics.median(values)) + f" [{each}]"
@@ -259,15 +320,16 @@ def main() -> None:
         affinity = bench.cpu_affinity()
         results = study(bench, urls, args)
     minutes = (time.monotonic() - started) / 60
-    systems = "alone, P/D, P/D with reuse" + (", vLLM's P/D" if args.with_vllm else "")
-    print(f"\n## Multi-turn: {systems} ({args.rounds} rounds, {minutes:.1f} min)")
+    systems = ", ".join(args.systems) + (f", {VLLM}" if args.with_vllm else "")
+    what = "goodput under rising load" if args.sweep else "Multi-turn"
+    print(f"\n## {what}: {systems} ({args.rounds} rounds, {minutes:.1f} min)")
     load_end = os.getloadavg()[0]
     print(f"cores: {affinity}; load average at start {load_start[0]:.2f}, end {load_end:.2f}")
     print(f"workers' dtype: {workers_dtype()} (--dtype auto)")
     if args.reuse_proxy_args or args.reuse_no_cpu_split:
         split = "every core for P and D" if args.reuse_no_cpu_split else "cores split"
         print(f"reuse cluster: proxy also {args.reuse_proxy_args or '-'}; {split}")
-    print(markdown_table(results))
+    print(goodput_table(results, args.goodput) if args.sweep else markdown_table(results))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         doc = {"rounds": args.rounds, "model": args.model, "affinity": affinity, "runs": results}
