@@ -82,6 +82,7 @@ class ProxyConfig:
     max_concurrency: int = 0  # requests in flight through the proxy; 0: no limit, no queue
     max_queue: int = 1024  # requests waiting for a slot beyond that
     queue_timeout: float = 30.0  # the longest wait for a slot, seconds
+    drain_timeout: float = 10.0  # on SIGTERM: seconds in-flight requests get before they close
     # KV-aware routing (proxy/kv_routing.py): subscribe to the workers' KV events, route by them
     kv_routing: bool = True
     cached_on_decode_tokens: int = 64  # a D holding all of a prompt but fewer: D alone; 0: off
@@ -152,6 +153,8 @@ class ProxyConfig:
             raise ValueError("max_concurrency and max_queue must be >= 0")
         if self.queue_timeout <= 0:
             raise ValueError(f"queue_timeout must be > 0 seconds, got {self.queue_timeout}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout}")
 
     @property
     def rate_limits(self) -> dict[str, RateLimit]:
@@ -277,6 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-concurrency", type=int, help="requests in flight; more wait in a queue (0: off)")
     add("--max-queue", type=int, help="requests waiting for a slot; 429 beyond (1024)")
     add("--queue-timeout", type=float, help="seconds a request may wait for a slot (30)")
+    add(
+        "--drain-timeout",
+        type=float,
+        help="on SIGTERM, seconds the requests in flight get to finish before the proxy closes "
+        "them (10)",
+    )
     add(
         "--no-kv-routing",
         dest="kv_routing",

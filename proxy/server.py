@@ -51,6 +51,6 @@ def main(argv: list[str] | None = None) -> None:
         access_log=False,
         loop="auto",
         http="auto",
-        timeout_graceful_shutdown=10,
+        timeout_graceful_shutdown=cfg.drain_timeout,
     )
     uvicorn.Server(config).run(sockets=process.sockets() if process else None)

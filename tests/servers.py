@@ -12,6 +12,8 @@ from deploy.processes import ROOT, free_port, wait_until
 
 __all__ = ["ROOT", "ServerProcess", "complete", "free_port", "kv_sources", "wait_until"]
 
+PROXY_DRAIN_S = 2.0
+
 
 class ServerProcess(processes.ServerProcess):
     """A worker runs in float32 unless its args name a dtype: the tests' bitwise comparisons
@@ -20,12 +22,16 @@ class ServerProcess(processes.ServerProcess):
     `--no-enforce-eager`: a compile costs each worker 5-20 s of start-up on 2 cores, and the
     compiled path has its own tests (parity, P/D push). A proxy runs as one process unless its
     args say `--workers`: its per-process state (admission queue, outstanding counts) is what
-    most proxy tests pin down; tests/test_proxy_processes.py covers several."""
+    most proxy tests pin down; tests/test_proxy_processes.py covers several. A proxy gives the
+    requests in flight 2 s on SIGTERM unless its args say `--drain-timeout` (its default, 10 s,
+    held a module's teardown that long where a test left a slow stream open)."""
 
     def __init__(self, role: str, args: list[str], log_path: Path, port: int | None = None):
         args = list(args)
         if role == "proxy" and "--workers" not in args:
             args += ["--workers", "1"]
+        if role == "proxy" and "--drain-timeout" not in args:
+            args += ["--drain-timeout", str(PROXY_DRAIN_S)]
         if role != "proxy" and "--dtype" not in args:
             args += ["--dtype", "float32"]
         if role != "proxy" and "--no-enforce-eager" not in args:

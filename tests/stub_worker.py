@@ -114,7 +114,13 @@ async def _serve(hosts: list[str], port: int, chunk_delay: float) -> None:
     servers = [
         uvicorn.Server(
             uvicorn.Config(
-                app, host=h, port=port, log_level="warning", timeout_keep_alive=600, lifespan="off"
+                app,
+                host=h,
+                port=port,
+                log_level="warning",
+                timeout_keep_alive=600,
+                lifespan="off",
+                timeout_graceful_shutdown=1,  # a slow stream left open must not hold a teardown
             )
         )
         for h in hosts

@@ -195,7 +195,7 @@ def test_a_process_started_again_takes_its_siblings_workers(tmp_path, stubs):
 
 
 def test_sigterm_drains_every_process_and_a_killed_one_comes_back(tmp_path, stubs):
-    proxy = start_proxy(tmp_path, stubs)
+    proxy = start_proxy(tmp_path, stubs, "--drain-timeout", "10")  # the streams last ~2 s
     pids = {i: body["process"]["pid"] for i, body in processes_seen(proxy).items()}
 
     os.kill(pids[1], signal.SIGKILL)  # started again on the same sockets
@@ -223,6 +223,24 @@ def test_sigterm_drains_every_process_and_a_killed_one_comes_back(tmp_path, stub
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     proxy.stop()
+
+
+def test_a_stream_longer_than_the_drain_is_closed_when_it_ends(tmp_path, stubs):
+    """`--drain-timeout 0.5`: a stream of ~10 s in flight at SIGTERM is cut, and every process
+    exits 0, long before the stream would have ended."""
+    proxy = start_proxy(tmp_path, stubs, "--drain-timeout", "0.5")
+    body = {"prompt": "hi", "max_tokens": 200, "stream": True}  # 10 s at 0.05 s a chunk
+    lines = []
+    try:
+        with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                lines += [line] if line else []
+                if len(lines) == 5:
+                    proxy.proc.send_signal(signal.SIGTERM)
+    except httpx.HTTPError:
+        pass  # the connection closed mid-stream: what a cut stream looks like
+    assert proxy.proc.wait(timeout=8) == 0
+    assert 5 <= len(lines) < 150 and "data: [DONE]" not in lines
 
 
 def test_no_process_outlives_a_killed_supervisor(tmp_path, stubs):
