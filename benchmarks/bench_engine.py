@@ -256,65 +256,60 @@ def print_table(rows: list[dict]) -> None:
 VLLM_CONFIGS = ("inproc:all", "mp:all", "mp:auto")
 
 
+def run_peers(args, dtype: str, prompts: list[list[int]], others) -> tuple[list[Peer], dict]:
+    """This engine and `others(cmd, env, prompts_file)` (the peers beside it; the engine's own
+    command and environment to build on), started one at a time (a start-up is not measured
+    against a round), interleaved over `args.rounds`, stopped; the peers and their results."""
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="bench_peers_") as tmp:
+        prompts_file = Path(tmp) / "prompts.json"
+        prompts_file.write_text(json.dumps(prompts))
+        env = peer_env(args.concurrency, args.new_tokens, PYTHONPATH=str(root))
+        cmd = [sys.executable, "-m", "benchmarks.engine_peer", str(prompts_file)]
+        cmd += ["--dtype", dtype] + (["--enforce-eager"] if args.enforce_eager else [])
+        engine = Peer("engine", cmd, env, BENCH_DIR / f"engine-{dtype}.log")
+        peers = [engine, *others(cmd, env, prompts_file)]
+        try:
+            for peer in peers:
+                peer.start()
+                print(f"  {peer.name} ready: {peer.info}", flush=True)
+            return peers, interleave(peers, args.concurrency, args.rounds)
+        finally:
+            for peer in peers:
+                peer.stop()
+
+
 def bench_against_vllm(args, dtype: str, prompts: list[list[int]], vllm_python: Path) -> None:
     """This engine and vLLM in each of `args.vllm_configs`, interleaved over `args.rounds`."""
     from common.model.default_model import default_model_dir
 
     threads = torch.get_num_threads()
-    root = Path(__file__).resolve().parents[1]
-    with tempfile.TemporaryDirectory(prefix="bench_peers_") as tmp:
-        prompts_file = Path(tmp) / "prompts.json"
-        prompts_file.write_text(json.dumps(prompts))
-        env = peer_env(args.concurrency, args.new_tokens, PYTHONPATH=str(root))
-        cmd = [sys.executable, "-m", "benchmarks.engine_peer", str(prompts_file)]
-        cmd += ["--dtype", dtype] + (["--enforce-eager"] if args.enforce_eager else [])
-        peers = [Peer("engine", cmd, env, BENCH_DIR / f"engine-{dtype}.log")]
-        for config in args.vllm_configs:
-            peers.append(
-                vllm_peer(
-                    vllm_python, config, default_model_dir(), prompts_file, dtype, threads, args
-                )
-            )
-        try:
-            for peer in peers:  # one at a time: a start-up is not measured against a round
-                peer.start()
-                print(f"  {peer.name} ready: {peer.info}", flush=True)
-            results = interleave(peers, args.concurrency, args.rounds)
-        finally:
-            for peer in peers:
-                peer.stop()
+
+    def vllm_peers(cmd, env, prompts_file) -> list[Peer]:
+        return [
+            vllm_peer(vllm_python, config, default_model_dir(), prompts_file, dtype, threads, args)
+            for config in args.vllm_configs
+        ]
+
+    peers, results = run_peers(args, dtype, prompts, vllm_peers)
     print_against_vllm(dtype, peers, results, args)
 
 
 def bench_against_no_kernels(args, dtype: str, prompts: list[list[int]]) -> None:
     """This engine with and without its C kernels (CC names no compiler), interleaved."""
-    root = Path(__file__).resolve().parents[1]
-    with tempfile.TemporaryDirectory(prefix="bench_peers_") as tmp:
-        prompts_file = Path(tmp) / "prompts.json"
-        prompts_file.write_text(json.dumps(prompts))
-        cmd = [sys.executable, "-m", "benchmarks.engine_peer", str(prompts_file)]
-        cmd += ["--dtype", dtype] + (["--enforce-eager"] if args.enforce_eager else [])
-        env = peer_env(args.concurrency, args.new_tokens, PYTHONPATH=str(root))
-        bare = dict(env, CC="pdserve-no-c-compiler")
-        peers = [
-            Peer("engine", cmd, env, BENCH_DIR / f"engine-{dtype}.log"),
-            Peer("no C kernels", cmd, bare, BENCH_DIR / f"engine-bare-{dtype}.log"),
-        ]
-        try:
-            for peer in peers:
-                peer.start()
-                print(f"  {peer.name} ready: {peer.info}", flush=True)
-            results = interleave(peers, args.concurrency, args.rounds)
-        finally:
-            for peer in peers:
-                peer.stop()
+
+    def bare(cmd, env, prompts_file) -> list[Peer]:
+        no_cc = dict(env, CC="pdserve-no-c-compiler")
+        return [Peer("no C kernels", cmd, no_cc, BENCH_DIR / f"engine-bare-{dtype}.log")]
+
+    _, results = run_peers(args, dtype, prompts, bare)
     print(f"\n{dtype}, {args.rounds} rounds interleaved; tok/s median [min-max]")
     print("batch | engine | no C kernels | engine / no C kernels | per round")
     for c in args.concurrency:
-        ours, bare = results["engine"][c], results["no C kernels"][c]
-        per_round = ", ".join(f"{a / b:.2f}" for a, b in zip(ours, bare, strict=True))
-        ratio = statistics.median(ours) / statistics.median(bare)
-        print(f"{c} | {spread(ours)} | {spread(bare)} | {ratio:.2f} | {per_round}")
+        ours, without = results["engine"][c], results["no C kernels"][c]
+        per_round = ", ".join(f"{a / b:.2f}" for a, b in zip(ours, without, strict=True))
+        ratio = statistics.median(ours) / statistics.median(without)
+        print(f"{c} | {spread(ours)} | {spread(without)} | {ratio:.2f} | {per_round}")
 
 
 def print_against_vllm(dtype: str, peers: list[Peer], results: dict, args) -> None:
