@@ -23,8 +23,8 @@ class ServerProcess(processes.ServerProcess):
     compiled path has its own tests (parity, P/D push). A proxy runs as one process unless its
     args say `--workers`: its per-process state (admission queue, outstanding counts) is what
     most proxy tests pin down; tests/test_proxy_processes.py covers several. A proxy gives the
-    requests in flight 2 s on SIGTERM unless its args say `--drain-timeout` (its default, 10 s,
-    held a module's teardown that long where a test left a slow stream open)."""
+    requests in flight 2 s on SIGTERM unless its args say `--drain-timeout` (its default is
+    10 s): a stream a test left open does not hold the module's teardown that long."""
 
     def __init__(self, role: str, args: list[str], log_path: Path, port: int | None = None):
         args = list(args)

@@ -171,25 +171,17 @@ static inline __attribute__((always_inline)) void scores4(const Item *it, int64_
                                                           int bf) {
     const int64_t D = it->a->head_dim;
     for (int i = 0; i < 4; i++) s[i][0] = s[i][1] = _mm512_setzero_ps();
-    const char *q0 = it->q[r0], *q1 = it->q[r0 + 1], *q2 = it->q[r0 + 2], *q3 = it->q[r0 + 3];
+    const char *const *q = it->q + r0;  // the 4 rows' queries (loops over them unroll)
 #if ISA == 3
     if (bf) {
         for (int64_t p = 0; p < D / 2; p++) {
             const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + p * 128);
             const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp + p * 128 + 64);
-            __m512bh b;
-            b = (__m512bh)_mm512_set1_epi32(((const int32_t *)q0)[p]);
-            s[0][0] = _mm512_dpbf16_ps(s[0][0], b, k0);
-            s[0][1] = _mm512_dpbf16_ps(s[0][1], b, k1);
-            b = (__m512bh)_mm512_set1_epi32(((const int32_t *)q1)[p]);
-            s[1][0] = _mm512_dpbf16_ps(s[1][0], b, k0);
-            s[1][1] = _mm512_dpbf16_ps(s[1][1], b, k1);
-            b = (__m512bh)_mm512_set1_epi32(((const int32_t *)q2)[p]);
-            s[2][0] = _mm512_dpbf16_ps(s[2][0], b, k0);
-            s[2][1] = _mm512_dpbf16_ps(s[2][1], b, k1);
-            b = (__m512bh)_mm512_set1_epi32(((const int32_t *)q3)[p]);
-            s[3][0] = _mm512_dpbf16_ps(s[3][0], b, k0);
-            s[3][1] = _mm512_dpbf16_ps(s[3][1], b, k1);
+            for (int i = 0; i < 4; i++) {
+                const __m512bh b = (__m512bh)_mm512_set1_epi32(((const int32_t *)q[i])[p]);
+                s[i][0] = _mm512_dpbf16_ps(s[i][0], b, k0);
+                s[i][1] = _mm512_dpbf16_ps(s[i][1], b, k1);
+            }
         }
         return;
     }
@@ -206,19 +198,11 @@ static inline __attribute__((always_inline)) void scores4(const Item *it, int64_
             }
         }
         const __m512 k0 = _mm512_loadu_ps(kp + d * 128), k1 = _mm512_loadu_ps(kp + d * 128 + 64);
-        __m512 b;
-        b = _mm512_set1_ps(((const float *)q0)[d]);
-        s[0][0] = _mm512_fmadd_ps(b, k0, s[0][0]);
-        s[0][1] = _mm512_fmadd_ps(b, k1, s[0][1]);
-        b = _mm512_set1_ps(((const float *)q1)[d]);
-        s[1][0] = _mm512_fmadd_ps(b, k0, s[1][0]);
-        s[1][1] = _mm512_fmadd_ps(b, k1, s[1][1]);
-        b = _mm512_set1_ps(((const float *)q2)[d]);
-        s[2][0] = _mm512_fmadd_ps(b, k0, s[2][0]);
-        s[2][1] = _mm512_fmadd_ps(b, k1, s[2][1]);
-        b = _mm512_set1_ps(((const float *)q3)[d]);
-        s[3][0] = _mm512_fmadd_ps(b, k0, s[3][0]);
-        s[3][1] = _mm512_fmadd_ps(b, k1, s[3][1]);
+        for (int i = 0; i < 4; i++) {
+            const __m512 b = _mm512_set1_ps(((const float *)q[i])[d]);
+            s[i][0] = _mm512_fmadd_ps(b, k0, s[i][0]);
+            s[i][1] = _mm512_fmadd_ps(b, k1, s[i][1]);
+        }
     }
     for (int i = 0; i < 4; i++) {
         s[i][0] = _mm512_add_ps(part[i][0], s[i][0]);
