@@ -114,7 +114,11 @@ def settle(*engines: LLMEngine) -> None:
 
 def reserve(d: LLMEngine, num_tokens: int) -> dict:
     """A push target on D, as /internal/kv/reserve answers it."""
-    res = d.connector.reserve(num_tokens)
+    return target(d, d.connector.reserve(num_tokens))
+
+
+def target(d: LLMEngine, res) -> dict:
+    """The push target of D's reservation `res`."""
     return {
         "engine_id": d.config.transfer.engine_id,
         "reservation_id": res.reservation_id,

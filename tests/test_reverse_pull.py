@@ -12,8 +12,10 @@ import torch
 
 from common.config import CacheConfig, EngineConfig, ModelConfig, TransferConfig
 from common.engine.engine import LLMEngine
+from common.kv_cache.block_pool import NoFreeBlocksError
 from common.kv_transfer.fake import FakeConnector, Loopback
 from tests.test_pd_inprocess import connect, run, sampling, settle
+from tests.test_pd_inprocess import target as reserve_target
 from tests.tiny_models import VOCAB
 
 BLOCK = 16
@@ -56,7 +58,9 @@ def twins(model, fabric):
 
 
 def pair(model: str, fabric: Loopback, failure_policy: str):
-    p = make_engine(model, fabric, failure_policy=failure_policy, lease_timeout=30)
+    p = make_engine(
+        model, fabric, failure_policy=failure_policy, lease_timeout=30, kv_checksum=True
+    )
     d = make_engine(model, fabric, kv_checksum=True, lease_timeout=30)
     connect(p, d)
     yield p, d
@@ -197,4 +201,51 @@ def test_nothing_cached_lends_nothing_and_a_release_ends_a_lease(pd):
     prompt = second_turn(d, seed=6)
     lent = d.lease_prefix(prompt)
     assert d.connector.release_lease(lent["remote_request_id"])  # the proxy gave up on it
+    settle(d)
+
+
+def reserve_for(d: LLMEngine, prompt: list[int]) -> dict:
+    """A push target on D for `prompt`, led by the blocks of it D holds (as
+    /internal/kv/reserve answers it, given the prompt)."""
+    res = d.reserve_push(len(prompt), prompt)
+    return {**reserve_target(d, res), "num_held_blocks": res.num_held}
+
+
+def pushed_bytes(p: LLMEngine) -> int:
+    return p.connector.stats_snapshot().num_bytes_pushed
+
+
+@pytest.mark.parametrize("lend", [True, False], ids=["read-from-d", "computed-on-p"])
+def test_in_push_mode_p_writes_only_the_blocks_d_lacks(pd, twins, lend):
+    """Push mode: D reserves the prompt's blocks starting with the 4 it holds (turn 1), P reads
+    those (or computes them) and writes only the other 2, checksummed; D decodes what a
+    worker alone (or today's P/D) would."""
+    p, d = pd
+    prompt = second_turn_on_both(d, twins, seed=7 if lend else 8)
+    expected = alone(twins, prompt) if lend else without_reverse_pull(twins, prompt)
+    target = reserve_for(d, prompt)
+    assert target["num_held_blocks"] == 64 // BLOCK and len(target["block_ids"]) == 6
+    lent = d.lease_prefix(prompt) if lend else None
+    before_p, before_d = p.connector.stats_snapshot(), d.connector.stats_snapshot()
+    params = prefill_with(p, prompt, {**(lent or {}), "push_to": target})
+    after_p = p.connector.stats_snapshot()
+    assert loaded(p, "reverse") == before_p.loaded_requests.get("reverse", 0) + lend
+    assert after_p.recomputed == before_p.recomputed
+    block_bytes = sum(c[:, 0].numel() * c.element_size() for c in p.kv_caches)
+    assert after_p.num_bytes_pushed - before_p.num_bytes_pushed == 2 * block_bytes
+    assert params["push_reservation_id"] and len(params["kv_checksums"][0]) == 2
+    tokens, out = run(d, prompt, sampling("greedy"), params)
+    assert out["error"] is None and tokens == expected
+    after_d = d.connector.stats_snapshot()
+    assert loaded(d, "push") == before_d.loaded_requests.get("push", 0) + 1
+    assert after_d.num_checksum_failures == before_d.num_checksum_failures
+    settle(p, d, *twins)
+
+
+def test_a_reservation_d_cannot_complete_gives_back_the_blocks_it_held(pd, twins):
+    p, d = pd
+    prompt = second_turn_on_both(d, twins, seed=9)
+    free = d.pool.num_free_blocks
+    with pytest.raises(NoFreeBlocksError):
+        d.reserve_push(len(prompt) + BLOCK * (free + 1), prompt)
     settle(d)

@@ -157,7 +157,7 @@ def install_internal_routes(app: FastAPI, state: ServerState) -> None:
         check_internal_token(state, request)
         body = _parse(ReserveRequest, await read_json_body(request, state.cfg.max_body_bytes))
         engine, connector = _connector(state)
-        num_tokens = await state.run_blocking(_num_prompt_tokens, engine.engine, body)
+        num_tokens, token_ids = await state.run_blocking(_prompt_tokens, engine.engine, body)
         if num_tokens >= engine.engine.max_model_len:  # never admitted: no use holding blocks
             raise InvalidRequestError(
                 f"a prompt of {num_tokens} tokens leaves no room in max_model_len "
@@ -165,7 +165,8 @@ def install_internal_routes(app: FastAPI, state: ServerState) -> None:
                 param="num_tokens",
             )
         try:
-            res = await asyncio.wrap_future(engine.call(connector.reserve, num_tokens))
+            reserve = engine.engine.reserve_push
+            res = await asyncio.wrap_future(engine.call(reserve, num_tokens, token_ids))
         except NoFreeBlocksError as e:
             raise UnavailableError(
                 f"no KV blocks to reserve: {e}", headers={"Retry-After": "1"}
@@ -178,6 +179,7 @@ def install_internal_routes(app: FastAPI, state: ServerState) -> None:
             "host": cfg.advertise_host,
             "port": cfg.advertise_port,
             "write_by": res.write_by,  # P writes nothing after this (unix time, our clock)
+            "num_held_blocks": res.num_held,  # cached here already: P writes the rest
         }
 
     @app.post("/internal/kv/lease", openapi_extra=json_body_openapi(LeaseRequest))
@@ -197,22 +199,25 @@ def install_internal_routes(app: FastAPI, state: ServerState) -> None:
         return {"kv_transfer_params": params, "num_tokens": num_tokens}
 
 
-def _num_prompt_tokens(llm, body: ReserveRequest) -> int:
-    """The prompt's length in tokens; 400 for a bad body. Blocking (tokenizes, renders chat
-    templates): the route runs it in the tokenize pool."""
+def _prompt_tokens(llm, body: ReserveRequest) -> tuple[int, list[int] | None]:
+    """The prompt's length in tokens and its token ids (None when only the length is given);
+    400 for a bad body. Blocking (tokenizes, renders chat templates): the route runs it in the
+    tokenize pool."""
     if body.num_tokens is not None:
-        return body.num_tokens
+        return body.num_tokens, None
     if body.completion is not None:
         req = parse_request(CompletionRequest, body.completion)
         if len(req.prompts) != 1:
             raise InvalidRequestError("a push reserves for a single prompt", param="completion")
         prompt = req.prompts[0]
-        return len(llm.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
-    if body.chat is not None:
+        ids = llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    elif body.chat is not None:
         req = parse_request(ChatCompletionRequest, body.chat)
         text = req.render_prompt(llm.tokenizer)
-        return len(llm.tokenizer.encode(text, add_special_tokens=False))
-    raise InvalidRequestError("give num_tokens, completion or chat", param="num_tokens")
+        ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    else:
+        raise InvalidRequestError("give num_tokens, completion or chat", param="num_tokens")
+    return len(ids), ids
 
 
 def _parse(model, body: dict):

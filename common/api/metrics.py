@@ -208,6 +208,11 @@ class ServerMetrics:
                 ),
                 ("kv_checksum_failures", "KV loads whose checksum did not match P's"),
                 (
+                    "kv_push_held_blocks",
+                    "Blocks of pushed prompts a decode worker had cached already (an earlier"
+                    " turn's), reserved from its own cache and not written by P",
+                ),
+                (
                     "kv_events_dropped",
                     "KV event batches dropped because the publisher's queue was full",
                 ),

@@ -41,6 +41,7 @@ from common.kv_transfer import create_connector
 from common.kv_transfer.base import KVConnector
 from common.kv_transfer.params import RemotePrefill, wants_remote_prefill
 from common.kv_transfer.remote_prefills import RemotePrefills
+from common.kv_transfer.reservations import Reservation
 from common.model.hf_config import load_arch_config
 from common.model.loader import load_model
 from common.parallel.group import TPGroup
@@ -218,6 +219,12 @@ class LLMEngine:
             self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
             self.outputs.remove(child.request_id)
             self._children.pop(child.request_id, None)
+
+    def reserve_push(self, num_tokens: int, token_ids: list[int] | None = None) -> Reservation:
+        """D, push mode: blocks for a prefill worker to write a prompt into, led by the blocks
+        of it this worker has cached (given `token_ids`), which it need not write."""
+        held = self.scheduler.kv.take_cached_prefix(token_ids) if token_ids else []
+        return self.connector.reserve(num_tokens, held)
 
     def lease_prefix(self, token_ids: list[int]) -> dict | None:
         """D, the reverse pull: hold the leading blocks of a prompt that this worker has cached

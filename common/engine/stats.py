@@ -30,6 +30,7 @@ class EngineStats:
     kv_push_exposed_seconds: float = 0.0
     kv_push_failures: int = 0
     kv_checksum_failures: int = 0
+    kv_push_held_blocks: int = 0
     kv_blocks_held: int = 0
     kv_blocks_in_transfer: int = 0
     kv_blocks_quarantined: int = 0
@@ -65,6 +66,7 @@ def engine_stats(engine, kv_events) -> EngineStats:
         kv_push_exposed_seconds=kv.seconds_push_exposed,
         kv_push_failures=kv.num_push_failures,
         kv_checksum_failures=kv.num_checksum_failures,
+        kv_push_held_blocks=kv.num_push_blocks_held,
         kv_blocks_held=kv.num_blocks_held,
         kv_blocks_in_transfer=kv.num_blocks_in_transfer,
         kv_blocks_quarantined=kv.num_blocks_quarantined,

@@ -27,9 +27,10 @@ Scheduler side (the engine calls these between steps, on the same thread):
 - `is_sending(request_id)` / `take_sent()`: a finished request whose KV is still being sent
   (push) keeps its output back until the sends settle; `take_sent()` gives the ids that
   settled since the last call, each with why it failed (None: every byte landed).
-- Push reservations (D): `reserve(num_tokens)` blocks for a prefill worker to write into;
-  `reservation_state(id)` ("ready", "pending" or "gone"); `claim_reservation(id)` takes a ready
-  one's blocks; `verify_pushed(remote, block_ids)` checks them against P's checksums;
+- Push reservations (D): `reserve(num_tokens, held)` blocks for a prefill worker to write into,
+  led by `held`, cached blocks of the prompt that P does not write; `reservation_state(id)`
+  ("ready", "pending" or "gone"); `claim_reservation(id)` takes a ready one (its blocks);
+  `verify_pushed(remote, block_ids)` checks the written ones against P's checksums;
   `release_reservation(id)` gives one up.
 - Leases (P): `release_lease(request_id)` frees blocks held for a reader that gave up;
   `notify_release(remote)` (D) tells the prefill worker so, for a request it will not read.
@@ -121,6 +122,7 @@ class KVTransferStats:
     seconds_push_exposed: float = 0.0  # push time the request's answer waited for
     num_push_failures: int = 0  # P's failed writes and D's reservations that never completed
     num_checksum_failures: int = 0
+    num_push_blocks_held: int = 0  # D: reserved blocks it held already, which P did not write
     num_blocks_held: int = 0  # P: under a lease for a reader
     num_blocks_in_transfer: int = 0
     num_blocks_quarantined: int = 0  # a failed transfer may still touch them
@@ -204,15 +206,15 @@ class KVConnector(ABC):
         return {}
 
     # -- D: push reservations ----------------------------------------------------------------
-    def reserve(self, num_tokens: int) -> Reservation:
+    def reserve(self, num_tokens: int, held: list[Block] | None = None) -> Reservation:
         raise NotImplementedError(f"{type(self).__name__} takes no pushes")
 
     def reservation_state(self, reservation_id: str) -> str:
         """ "ready" (every write landed), "pending" or "gone" (expired, released or unknown)."""
         return "gone"
 
-    def claim_reservation(self, reservation_id: str) -> list[Block]:
-        """A ready reservation's blocks, now the caller's."""
+    def claim_reservation(self, reservation_id: str) -> Reservation:
+        """A ready reservation, its blocks now the caller's."""
         raise KeyError(reservation_id)
 
     def verify_pushed(self, remote: RemotePrefill, block_ids: list[int]) -> str | None:

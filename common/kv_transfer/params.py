@@ -180,17 +180,23 @@ class PushTarget:
     host: str
     port: int
     write_by: float | None = None  # unix time (D's clock): writes must have landed by then
+    num_held_blocks: int = 0  # leading blocks D has cached: P writes only those after them
 
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> PushTarget:
         try:
+            block_ids = _block_ids(raw["block_ids"])
             return cls(
                 engine_id=_text(raw["engine_id"]),
                 reservation_id=_text(raw["reservation_id"]),
-                block_ids=_block_ids(raw["block_ids"]),
+                block_ids=block_ids,
                 host=_text(raw["host"]),
                 port=_integer(raw["port"], 0, 65535),
                 write_by=_optional_float(raw.get("write_by")),
+                # at least the last block is P's to write: its logits give the first token
+                num_held_blocks=_integer(
+                    raw.get("num_held_blocks", 0), 0, max(0, len(block_ids) - 1)
+                ),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise KVTransferParamsError(

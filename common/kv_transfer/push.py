@@ -2,8 +2,9 @@
 
 Each prefill step of a push request makes one chunk: the blocks that became full this step (all
 that are left in the last step), so each block is written exactly once and late or reordered
-WRITEs cannot overwrite each other. The connector posts one WRITE per layer per chunk from the
-decorator's on-exit hook; this table keeps the books:
+WRITEs cannot overwrite each other. The leading blocks that D holds already (the target's
+`num_held_blocks`, an earlier turn in D's prefix cache) are never written. The connector posts
+one WRITE per layer per chunk from the decorator's on-exit hook; this table keeps the books:
 
 - a chunk's local blocks are held (`TransferHolds`) until its WRITEs settle, so a request that
   finishes, is aborted or is preempted never lets another request overwrite them mid-copy;
@@ -87,7 +88,10 @@ class PushTable:
         target = push_target(req.kv_transfer_params)
         if target is None or req.num_output_tokens > 0:
             return None
-        push = self._pushes.setdefault(req.request_id, _Push(target, times=req.times))
+        push = self._pushes.get(req.request_id)
+        if push is None:  # the blocks D holds already are not written
+            push = _Push(target, num_blocks_sent=target.num_held_blocks, times=req.times)
+            self._pushes[req.request_id] = push
         end = req.num_computed_tokens + num_new
         is_final = end == req.num_tokens
         first = push.num_blocks_sent

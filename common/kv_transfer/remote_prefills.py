@@ -121,8 +121,9 @@ class RemotePrefills:
         self._awaiting = still
 
     def _claim(self, req: Request, rid: str) -> None:
-        blocks = self.connector.claim_reservation(rid)
-        loss = self._pushed_loss(req, rid, blocks)
+        res = self.connector.claim_reservation(rid)
+        blocks = res.blocks
+        loss = self._pushed_loss(req, rid, blocks, res.num_held)
         req.remote_prefill = None
         if loss is not None:  # fail closed: never decode from KV that did not check out
             self.pool.free(list(reversed(blocks)))
@@ -132,16 +133,20 @@ class RemotePrefills:
         self.connector.count_loaded("push")
         self.queue.add_request(req)
 
-    def _pushed_loss(self, req: Request, rid: str, blocks: list[Block]) -> KVLoss | None:
+    def _pushed_loss(
+        self, req: Request, rid: str, blocks: list[Block], num_held: int
+    ) -> KVLoss | None:
         """Why a claimed reservation's KV cannot be decoded from, or None: it must hold exactly
-        the blocks of what P computed (a smaller one leaves the tail unwritten) and match P's
-        checksums. P computed the tokens known at admission: a resumed request's outputs so far
-        are in its prompt there."""
+        the blocks of what P computed (a smaller one leaves the tail unwritten) and the ones P
+        wrote (after the `num_held` this worker had cached) must match P's checksums. P
+        computed the tokens known at admission: a resumed request's outputs so far are in its
+        prompt there."""
         needed = -(-req.num_admitted_tokens // self.block_size)
         if len(blocks) != needed:
             why = f"reservation {rid} holds {len(blocks)} blocks, the prompt needs {needed}"
             return KVLoss("remote_blocks_mismatch", why)
-        why = self.connector.verify_pushed(req.remote_prefill, [b.block_id for b in blocks])
+        written = [b.block_id for b in blocks[num_held:]]
+        why = self.connector.verify_pushed(req.remote_prefill, written)
         return None if why is None else KVLoss("checksum_mismatch", why)
 
     def _release_sent(self) -> None:

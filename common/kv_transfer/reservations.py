@@ -7,6 +7,10 @@ complete once every (layer, chunk) up to the final chunk has reported, in any or
 whose WRITE failed never reports, so D never decodes from KV with holes in it. The decode
 request then takes the blocks over; a reservation nobody claims expires and is freed.
 
+A reservation may start with blocks D already holds: the cached leading blocks of the prompt
+(an earlier turn's), referenced, not written by P (`num_held`; P learns it from the push
+target and writes, and checksums, only the blocks after them).
+
 P learns the reservation's expiry as `write_by` (wall clock, `skew_margin` early) and writes
 nothing after it. A reservation released before P is done (P failed or was too slow, as far as
 the proxy or D can tell) keeps its blocks until it expires or P's last notification arrives:
@@ -20,7 +24,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common.kv_cache.block_pool import Block, BlockPool
+from common.kv_cache.block_pool import Block, BlockPool, NoFreeBlocksError
 from common.kv_transfer.leases import wall_deadline
 
 PUSHED = b"pushed:"
@@ -52,6 +56,7 @@ class Reservation:
     write_by: float  # unix time: P's writes must have landed by then
     landed: set[tuple[int, int]] = field(default_factory=set)  # (layer, chunk)
     num_chunks: int | None = None  # known once a final chunk has reported
+    num_held: int = 0  # leading blocks from this worker's own prefix cache: P writes the rest
 
 
 class ReservationTable:
@@ -70,15 +75,26 @@ class ReservationTable:
         self._released: dict[str, Reservation] = {}  # P may still write: blocks kept until expiry
         self.num_expired = 0
         self.num_incomplete = 0  # given up or expired before every chunk landed
+        self.num_blocks_held = 0  # reserved from the prefix cache: P did not write them
 
     def __len__(self) -> int:
         return len(self._table) + len(self._released)
 
-    def reserve(self, num_blocks: int) -> Reservation:
-        """Blocks for a push; `NoFreeBlocksError` when the pool cannot spare them."""
-        blocks = self.pool.allocate(num_blocks)
+    def reserve(self, num_blocks: int, held: list[Block] | None = None) -> Reservation:
+        """`num_blocks` blocks for a push, led by `held` (cached blocks of the prompt's
+        prefix, referenced by the caller, which P does not write); `NoFreeBlocksError` when
+        the pool cannot spare the rest (`held` is freed then)."""
+        held = held or []
+        after = held[-1].block_id if held else None
+        try:
+            blocks = held + self.pool.allocate(num_blocks - len(held), after=after)
+        except NoFreeBlocksError:
+            self.pool.free(list(reversed(held)))
+            raise
         write_by = wall_deadline(self.timeout)
         res = Reservation(uuid.uuid4().hex, blocks, self._clock() + self.timeout, write_by)
+        res.num_held = len(held)
+        self.num_blocks_held += len(held)
         self._table[res.reservation_id] = res
         return res
 
@@ -107,9 +123,9 @@ class ReservationTable:
     def is_known(self, reservation_id: str) -> bool:
         return reservation_id in self._table
 
-    def claim(self, reservation_id: str) -> list[Block]:
-        """The reservation's blocks, now owned by the caller (their references move with them)."""
-        return self._table.pop(reservation_id).blocks
+    def claim(self, reservation_id: str) -> Reservation:
+        """The reservation, its blocks now owned by the caller (their references move with them)."""
+        return self._table.pop(reservation_id)
 
     def release(self, reservation_id: str) -> bool:
         """Give a reservation up; its blocks are freed now if P is done writing, else when

@@ -84,13 +84,13 @@ class NixlConnector(KVConnector):
     def take_sent(self) -> dict[str, str | None]:
         return self.pushes.take_settled()
 
-    def reserve(self, num_tokens: int) -> Reservation:
-        return self.scheduler.reserve(num_tokens)
+    def reserve(self, num_tokens: int, held: list[Block] | None = None) -> Reservation:
+        return self.scheduler.reserve(num_tokens, held)
 
     def reservation_state(self, reservation_id: str) -> str:
         return self.scheduler.reservation_state(reservation_id)
 
-    def claim_reservation(self, reservation_id: str) -> list[Block]:
+    def claim_reservation(self, reservation_id: str) -> Reservation:
         return self.scheduler.claim_reservation(reservation_id)
 
     def verify_pushed(self, remote: RemotePrefill, block_ids: list[int]) -> str | None:
@@ -139,6 +139,7 @@ class NixlConnector(KVConnector):
             seconds_push_exposed=pushes.seconds_exposed,
             num_push_failures=pushes.num_failures + incomplete,
             num_checksum_failures=loads.num_checksum_failures,
+            num_push_blocks_held=reservations.num_blocks_held if reservations is not None else 0,
             num_blocks_held=leases.num_blocks_held,
             num_blocks_in_transfer=self.holds.num_blocks_held,
             num_blocks_quarantined=self.holds.num_quarantined,

@@ -54,7 +54,8 @@ class NixlScheduler:
             self.pushes.forget(request.request_id)
             return False
         target = push_target(request.kv_transfer_params)
-        checksums = self.worker.checksums(request.block_ids) if self.cfg.kv_checksum else None
+        sent = request.block_ids[target.num_held_blocks :] if target else request.block_ids
+        checksums = self.worker.checksums(sent) if self.cfg.kv_checksum else None
         if target is not None:  # pushed: nothing to hold once the writes settle
             self.pushes.finish(request.request_id)
             request.kv_transfer_params_out = self._answer(
@@ -132,15 +133,15 @@ class NixlScheduler:
         )
 
     # -- D: reservations for pushes ---------------------------------------------------------------
-    def reserve(self, num_tokens: int) -> Reservation:
-        return self.reservations.reserve(-(-num_tokens // self.block_size))
+    def reserve(self, num_tokens: int, held: list[Block] | None = None) -> Reservation:
+        return self.reservations.reserve(-(-num_tokens // self.block_size), held)
 
     def reservation_state(self, reservation_id: str) -> str:
         if self.reservations.is_complete(reservation_id):
             return "ready"
         return "pending" if self.reservations.is_known(reservation_id) else "gone"
 
-    def claim_reservation(self, reservation_id: str) -> list[Block]:
+    def claim_reservation(self, reservation_id: str) -> Reservation:
         return self.reservations.claim(reservation_id)
 
     def release_reservation(self, reservation_id: str) -> bool:
