@@ -6,9 +6,10 @@
   (`min_disagg_tokens`, estimated), it is a batch of prompts, no P is routable, or D already
   holds all of the prompt but a few tokens (`cached_on_decode_tokens`): then D alone.
 - **Prefill.** P computes the prompt and one token and keeps the KV (pull) or writes it into
-  blocks D reserved first (push). In pull mode, when D holds a longer prefix of the prompt than
-  P (an earlier turn's answer), D leases those blocks first and P reads them instead of
-  computing them (the reverse pull, `--reverse-pull-min-tokens`). A P that fails is ejected
+  blocks D reserved first (push). When D holds a longer prefix of the prompt than P (an
+  earlier turn's answer), D leases those blocks first and P reads them instead of computing
+  them (the reverse pull, `--reverse-pull-min-tokens`; in push mode P still writes the whole
+  prompt into the reservation). A P that fails is ejected
   (connect errors) and the next one is tried; when none is left the request goes to D alone.
   A P that the health checks eject while a prefill waits on it (frozen) fails that prefill at
   once, retried the same way (inflight.py). P's 4xx is the client's error, returned.
@@ -199,8 +200,7 @@ class Orchestrator:
             if attempt:
                 self.metrics.retries.labels("prefill").inc()
             pushing = push and decode is not None and self.cfg.mode == "push"
-            push_to = await self._reserve(req, decode) if pushing else None
-            lent = None if pushing else await self._borrow_prefix(req, worker, decode, token_ids)
+            push_to, lent = await self._reserve_and_borrow(req, worker, decode, token_ids, pushing)
             started = time.perf_counter()
             span = req.trace.child("proxy.prefill", "client", **{"server.address": worker.url})
             try:
@@ -234,6 +234,26 @@ class Orchestrator:
                 return None
             return Prefilled(worker, answer, params, push_to, decode if push_to else None)
         return None
+
+    async def _reserve_and_borrow(
+        self,
+        req: ProxyRequest,
+        prefill: Worker,
+        decode: Worker | None,
+        token_ids: list[int] | None,
+        pushing: bool,
+    ) -> tuple[dict | None, Lent | None]:
+        """What D does before P starts, both asked at once: the push reservation (`pushing`)
+        and the prefix it lends (the reverse pull); a lease is given back if the reservation
+        fails."""
+        lending = asyncio.ensure_future(self._borrow_prefix(req, prefill, decode, token_ids))
+        try:
+            push_to = await self._reserve(req, decode) if pushing else None
+        except BaseException:
+            if (lent := await lending) is not None:
+                self._release(decode, {"request_id": lent.params["remote_request_id"]})
+            raise
+        return push_to, await lending
 
     async def _borrow_prefix(
         self,

@@ -365,30 +365,48 @@ def test_a_prompt_the_decode_worker_holds_goes_to_it_alone(cluster):
     assert through["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
 
 
-def test_the_next_turn_reads_the_answer_it_holds_from_the_decode_worker(cluster):
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_the_next_turn_reads_the_answer_it_holds_from_the_decode_worker(
+    cluster, start_server, mode
+):
     """The reverse pull: turn 2's prompt holds turn 1's answer, which D generated and no P has
     seen. P reads the blocks D holds instead of computing them (P's own count), computes the
-    new message, and the answer is what D alone gives."""
+    new message, and the answer is what D alone gives. In push mode D reserves the prompt's
+    blocks starting with those it holds, and P writes only the rest."""
     c = cluster
-    first = ids(60, 100)
-    blocks_before = indexed(c.proxy, c.d)
-    answer = complete(c.proxy.url, first, max_tokens=80)["choices"][0]["token_ids"]
+    proxy = c.proxy
+    if mode == "push":
+        proxy = start_server(
+            "proxy", "--prefill", c.p1.url, "--prefill", c.p2.url, "--decode", c.d.url,
+            "--internal-token", TOKEN, "--health-interval", "0.5", "--mode", "push",
+        )  # fmt: skip
+    seed = 60 if mode == "pull" else 70
+    first = ids(seed, 100)
+    blocks_before = indexed(proxy, c.d)
+    answer = complete(proxy.url, first, max_tokens=80)["choices"][0]["token_ids"]
     history = first + answer  # D computed the KV of all but the last token: 11 whole blocks
-    assert wait_until(lambda: indexed(c.proxy, c.d) >= blocks_before + 11, 30)
+    assert wait_until(lambda: indexed(proxy, c.d) >= blocks_before + 11, 30)
     lent = 'pdserve_proxy_reverse_pulls_total{outcome="lent"}'
     lent_before, tokens_before = (
-        c.proxy.metric(lent),
-        c.proxy.metric("pdserve_proxy_reverse_pull_tokens_total"),
+        proxy.metric(lent, 0),
+        proxy.metric("pdserve_proxy_reverse_pull_tokens_total", 0),
     )
     reverse = 'pdserve_kv_loaded_requests_total{mode="reverse"}'
-    read_before = sum(p.metric(reverse) for p in c.prefills)
-    prompt = history + ids(61, 80)
-    through = complete(c.proxy.url, prompt)
-    assert c.proxy.metric(lent) == lent_before + 1
+    pushed = 'pdserve_kv_loaded_requests_total{mode="push"}'
+    read_before, pushed_before = sum(p.metric(reverse) for p in c.prefills), c.d.metric(pushed, 0)
+    held_before = c.d.metric("pdserve_kv_push_held_blocks_total", 0)
+    prompt = history + ids(seed + 1, 80)
+    through = complete(proxy.url, prompt)
+    assert proxy.metric(lent) == lent_before + 1
     # D lent its 176 tokens; turn 1's P, which holds the first 96, read the other 80
-    assert c.proxy.metric("pdserve_proxy_reverse_pull_tokens_total") - tokens_before == 80
+    assert proxy.metric("pdserve_proxy_reverse_pull_tokens_total") - tokens_before == 80
     assert wait_until(lambda: sum(p.metric(reverse) for p in c.prefills) == read_before + 1, 10)
     assert wait_until(lambda: c.d.metric("pdserve_kv_blocks_held") == 0, 10)  # lease ended
+    # push: P wrote turn 2 into D (pull: D read it), all but the 11 blocks D reserved from
+    # its own cache
+    assert c.d.metric(pushed, 0) - pushed_before == (1 if mode == "push" else 0)
+    held = c.d.metric("pdserve_kv_push_held_blocks_total", 0) - held_before
+    assert held == (11 if mode == "push" else 0)
     alone = complete(c.d.url, prompt)
     assert through["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
 
