@@ -21,6 +21,7 @@ import pytest
 
 from common.api.cli import kv_events_curve
 from common.cpu import parse_cpu_list
+from deploy.processes import metric
 from tests.servers import ROOT, wait_until
 
 WORKER_ARGS = ["--num-blocks", "64", "--max-model-len", "256"]
@@ -250,17 +251,32 @@ def test_a_tp_decode_worker_serves_colocated_on_its_cores(launch, tiny_model):
 
 def test_a_tp2_prefill_worker_hands_its_kv_to_a_tp1_decode_worker(launch, tiny_model):
     """P at TP 2, D at TP 1 on CPU (KV moves between TP sizes): the proxy's answer was decoded
-    from P's KV, and P's rank 1 runs beside it."""
+    from P's KV, and P's rank 1 runs beside it. The next turn's prompt holds the answer, which
+    P reads from D (the reverse pull, from TP 1 to TP 2) and the answer is D's alone."""
     args = ["--model", str(tiny_model("llama")), "--prefill-tp", "2"]
-    launcher = launch(*args, "--", *WORKER_ARGS, "--enforce-eager")
+    launcher = launch(*args, "--", *WORKER_ARGS, "--enforce-eager", "--dtype", "float32")
     url = launcher.wait_for(r"^ready: (http://\S+)").group(1)
     assert "1 prefill (TP 2 each) + 1 decode, mode pull" in launcher.output()
-    body = {"prompt": "Hello, my name is", "max_tokens": 4, "ignore_eos": True}
+    first = list(range(7, 67))
+    body = {"prompt": first, "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+    body["return_token_ids"] = True
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     rows = {m.group(1): m.group(2) for m in ROW.finditer(launcher.output())}
     metrics = httpx.get(f"{rows['decode-0']}/metrics", timeout=10).text
     assert 'pdserve_kv_loaded_requests_total{mode="pull"} 1.0' in metrics, metrics[-2000:]
+    # turn 2: D holds 7 blocks of turn 1 (prompt and answer), P the prompt's 3; 80 new tokens
+    # (more than --cached-on-decode-tokens: through P)
+    history = first + r.json()["choices"][0]["token_ids"]
+    index = f'pdserve_proxy_kv_index_blocks{{role="decode",url="{rows["decode-0"]}"}}'
+    assert wait_until(lambda: metric(url, index, 0) >= 7, 30)
+    body = {**body, "prompt": history + list(range(300, 380)), "max_tokens": 8}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    reverse = 'pdserve_kv_loaded_requests_total{mode="reverse"}'
+    assert wait_until(lambda: metric(rows["prefill-0"], reverse, 0) == 1, 10)
+    alone = httpx.post(f"{rows['decode-0']}/v1/completions", json=body, timeout=60)
+    assert r.json()["choices"][0]["token_ids"] == alone.json()["choices"][0]["token_ids"]
     prefill_pid = launcher.children()["prefill-0"][1]
     ranks = [p for p in descendants(prefill_pid) if "common.engine.rank_main" in cmdline(p)]
     assert len(ranks) == 1, "P's rank 1 runs beside it"
