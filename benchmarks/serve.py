@@ -114,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     turns.add_argument("--multiturn-output-len", type=int, default=32, help="max tokens")
     turns.add_argument("--multiturn-think-time", type=float, default=0.0, help="s")
     turns.add_argument("--multiturn-think-time-dist", choices=THINK_TIMES, default="fixed")
+    turns.add_argument(
+        "--multiturn-max-user-words",
+        type=int,
+        default=0,
+        help="ShareGPT: skip chats with a longer message (0: any)",
+    )
     load = p.add_argument_group("load")
     load.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
@@ -179,6 +185,7 @@ def conversations_from_args(args: argparse.Namespace) -> ConversationConfig | No
         output_len=args.multiturn_output_len,
         think_time=args.multiturn_think_time,
         think_time_dist=args.multiturn_think_time_dist,
+        max_user_words=args.multiturn_max_user_words,
     )
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -55,6 +56,16 @@ def test_reader_on_the_bundled_sharegpt_file():
     whole = {tuple(human_turns(r)[:3]) for r in records}
     assert all(c.user_messages in whole for c in conversations)  # human turns, in order
     assert conversations == sharegpt_conversations(cfg, random.Random(0))  # seeded
+    short = dataclasses.replace(cfg, num_conversations=200, max_user_words=12)
+    chosen = sharegpt_conversations(short, random.Random(0))
+    assert all(len(m.split()) <= 12 for c in chosen for m in c.user_messages)
+    assert any(
+        len(m.split()) > 12
+        for c in sharegpt_conversations(
+            dataclasses.replace(short, max_user_words=0), random.Random(0)
+        )
+        for m in c.user_messages
+    )
 
 
 def test_history_alternates_earlier_turns_with_the_servers_answers():

