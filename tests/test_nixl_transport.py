@@ -177,3 +177,16 @@ def test_stopped_peer_times_out_at_the_deadline(local, peers):
     peers["hangs"].kill()  # SIGCONT, then SIGKILL
     transport.remove_peer("hangs")
     test_read_lands_exactly(local, [0, 1], [2, 3])
+
+
+def test_the_progress_delay_comes_from_the_environment(monkeypatch):
+    from common.kv_transfer.nixl_transport import PROGRESS_DELAY_ENV, progress_delay
+
+    monkeypatch.delenv(PROGRESS_DELAY_ENV, raising=False)
+    assert progress_delay() == 1000
+    monkeypatch.setenv(PROGRESS_DELAY_ENV, "10000")
+    assert progress_delay() == 10000
+    for bad in ("0", "1.5", "fast"):
+        monkeypatch.setenv(PROGRESS_DELAY_ENV, bad)
+        with pytest.raises(ValueError, match=PROGRESS_DELAY_ENV):
+            progress_delay()

@@ -32,6 +32,7 @@ Contract
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -111,12 +112,30 @@ class _Command:
     future: Future[Any] = field(default_factory=Future)
 
 
+PROGRESS_DELAY_ENV = "PDSERVE_NIXL_PROGRESS_DELAY_US"
+DEFAULT_PROGRESS_DELAY_US = 1000
+
+
+def progress_delay() -> int:
+    """µs between the agent's progress-thread polls: `PDSERVE_NIXL_PROGRESS_DELAY_US`, else
+    1000 (an idle agent then takes ~1.5% of a core; the wrapper's own 0 spins a whole core)."""
+    raw = os.environ.get(PROGRESS_DELAY_ENV, "")
+    try:
+        value = int(raw) if raw else DEFAULT_PROGRESS_DELAY_US
+    except ValueError:
+        why = f"{PROGRESS_DELAY_ENV} must be a whole number of µs, got {raw!r}"
+        raise ValueError(why) from None
+    if value < 1:
+        raise ValueError(f"{PROGRESS_DELAY_ENV} must be >= 1 µs, got {value}")
+    return value
+
+
 class NixlTransport:
     def __init__(
         self,
         engine_id: str,
         kv_caches: Sequence[torch.Tensor] | Sequence[ShardTensors],
-        progress_delay_us: int = 1000,
+        progress_delay_us: int | None = None,
         peer_idle_s: float = 300.0,
         max_peers: int = 64,
     ) -> None:
@@ -124,7 +143,7 @@ class NixlTransport:
         self.max_peers = max_peers
         agent_name = f"{engine_id}-{uuid.uuid4().hex[:8]}"
         self.layout = KVLayout.of(engine_id, agent_name, kv_caches)
-        self._agent = create_agent(agent_name, progress_delay_us)
+        self._agent = create_agent(agent_name, progress_delay_us or progress_delay())
         # registered memory must outlive the agent's use of it
         self._kv_caches = [t for shard in as_shards(kv_caches) for t in shard.kv_caches]
         device = self.layout.device_id
