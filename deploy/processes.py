@@ -19,6 +19,10 @@ from pathlib import Path
 
 import httpx
 
+# one TLS context for every poll: httpx builds one a call otherwise, parsing certifi's bundle
+# again (~20 ms of CPU, against ~1 ms for the request itself on loopback)
+TLS = httpx.create_ssl_context()
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -83,7 +87,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log()}")
             try:
-                if httpx.get(f"{self.url}{path}", timeout=1).status_code == 200:
+                if httpx.get(f"{self.url}{path}", timeout=1, verify=TLS).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -111,7 +115,7 @@ class ServerProcess:
 
 def metric(url: str, name: str, default: float | None = None) -> float:
     """A sample from the server's /metrics: `name` or `name{label="value",...}` as exposed."""
-    text = httpx.get(f"{url}/metrics", timeout=5).text
+    text = httpx.get(f"{url}/metrics", timeout=5, verify=TLS).text
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])

@@ -1,11 +1,25 @@
 from __future__ import annotations
 
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
+from deploy.processes import TLS
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# every NIXL agent of the suite (in-process and in the workers it starts): an idle agent's
+# progress thread polls every 10 ms instead of 1 ms, ~0.3% of a core instead of ~1.5%; with a
+# dozen workers idle at a time that was ~5% of the 2-core box, and P/D latency did not change
+# (docs/results/2026-12-07-notebook.md)
+os.environ.setdefault("PDSERVE_NIXL_PROGRESS_DELAY_US", "10000")
+# httpx.get(...) and the like build a client, and with it a TLS context, on each call: ~20 ms of
+# CPU parsing certifi's bundle, ~20x the loopback request itself. The tests make thousands of such
+# calls (polls every 0.1 s), so here they share one context (a call may still pass its own).
+for _name in ("request", "stream", "get", "options", "head", "post", "put", "patch", "delete"):
+    setattr(httpx, _name, functools.partial(getattr(httpx, _name), verify=TLS))
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # one torch thread in each test process and each worker it starts (they honour it, as torch
     # does): with a pytest worker per core, OpenMP's spinning threads of two tests on one core
