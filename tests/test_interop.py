@@ -32,8 +32,9 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 def pd(start_server, tiny_model):
     common = ["--model", str(tiny_model("llama")), "--num-blocks", "256", "--max-model-len", "256"]
     common += ["--served-model-name", "tiny"]
-    p = start_server("prefill", *common, "--no-prefix-caching")
-    d = start_server("decode", *common, "--no-prefix-caching")
+    p = start_server("prefill", *common, "--no-prefix-caching", wait=False)
+    d = start_server("decode", *common, "--no-prefix-caching", wait=False)
+    p, d = p.wait_ready(), d.wait_ready()  # started side by side
     return p, d
 
 

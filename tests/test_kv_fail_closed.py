@@ -124,11 +124,11 @@ def test_late_reads_of_a_failed_load_never_land_in_another_requests_blocks(prefi
 def chunked_pd(start_server, model):
     common = ["--model", model, "--num-blocks", "96", "--max-model-len", "256"]
     chunks = ["--max-num-batched-tokens", "32", "--no-prefix-caching"]
-    p = start_server("prefill", *common, *chunks)
+    p = start_server("prefill", *common, *chunks, wait=False)
     d = start_server(
-        "decode", *common, *chunks, "--kv-lease-timeout", "5", "--kv-load-timeout", "3"
+        "decode", *common, *chunks, "--kv-lease-timeout", "5", "--kv-load-timeout", "3", wait=False
     )
-    return p, d
+    return p.wait_ready(), d.wait_ready()  # started side by side
 
 
 def reserve(d, num_tokens: int) -> dict:

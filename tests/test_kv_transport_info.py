@@ -38,8 +38,9 @@ def transports(worker) -> dict[str, set[str]]:
 def workers(start_server, tiny_model):
     common = ["--model", str(tiny_model("llama")), "--num-blocks", "256", "--max-model-len", "256"]
     common.append("--no-prefix-caching")
-    p = start_server("prefill", *common)
-    d = start_server("decode", *common)
+    p = start_server("prefill", *common, wait=False)
+    d = start_server("decode", *common, wait=False)
+    p, d = p.wait_ready(), d.wait_ready()  # started side by side
     with pytest.MonkeyPatch.context() as env:  # read when the process starts
         env.setenv("UCX_TLS", "tcp")
         d_tcp = start_server("decode", *common)

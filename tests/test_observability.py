@@ -128,8 +128,9 @@ def scraped(start_server, tiny_model, tmp_path_factory):
     model = ["--model", str(tiny_model("llama")), *WORKER_ARGS]
     # the workers one after the other (two loading at once on 2 cores only contend), then the
     # light proxies side by side, and Prometheus while they start
-    p = start_server("prefill", *model)
-    d = start_server("decode", *model)
+    p = start_server("prefill", *model, wait=False)
+    d = start_server("decode", *model, wait=False)
+    p, d = p.wait_ready(), d.wait_ready()  # started side by side
     pools = ["--prefill", p.url, "--decode", d.url, "--max-concurrency", "2"]
     proxies = {
         mode: start_server(

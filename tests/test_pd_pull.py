@@ -164,10 +164,11 @@ def test_dtype_mismatch_is_refused(start_server, model, pd, p_dtype):
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_prefill_killed_before_read(start_server, model, policy):
     common = ["--model", model, "--num-blocks", "128", "--max-model-len", "256"]
-    p = start_server("prefill", *common)
+    p = start_server("prefill", *common, wait=False)
     d = start_server(
-        "decode", *common, "--kv-load-timeout", "3", "--kv-load-failure-policy", policy
+        "decode", *common, "--kv-load-timeout", "3", "--kv-load-failure-policy", policy, wait=False
     )
+    p, d = p.wait_ready(), d.wait_ready()  # started side by side
     body = dict(
         prompt=prompts()[15], temperature=0, max_tokens=8, ignore_eos=True, return_token_ids=True
     )

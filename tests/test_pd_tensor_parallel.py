@@ -32,12 +32,13 @@ def workers(start_server, tiny_model):
     at TP 1 and 2, with no prefix cache (every block is transferred)."""
     common = ["--model", str(tiny_model("llama")), "--num-blocks", "128", "--max-model-len", "256"]
     common += ["--no-prefix-caching", "--kv-checksum"]
-    return {
-        "p1": start_server("prefill", *common),
-        "p2": start_server("prefill", *common, "-tp", "2"),
-        "d1": start_server("decode", *common),
-        "d2": start_server("decode", *common, "-tp", "2"),
+    servers = {  # side by side
+        "p1": start_server("prefill", *common, wait=False),
+        "p2": start_server("prefill", *common, "-tp", "2", wait=False),
+        "d1": start_server("decode", *common, wait=False),
+        "d2": start_server("decode", *common, "-tp", "2", wait=False),
     }
+    return {name: server.wait_ready() for name, server in servers.items()}
 
 
 def alone(d1, body: dict) -> list[int]:

@@ -21,8 +21,9 @@ PROMPTS = [list(range(5 + i, 40 + 3 * i)) for i in range(8)]
 def cluster(start_server, tiny_model):
     common = ["--model", str(tiny_model("llama")), "--num-blocks", "512", "--max-model-len", "512"]
     common += ["--no-prefix-caching", "--kv-lease-timeout", "20"]
-    ps = [start_server("prefill", *common) for _ in range(2)]
-    ds = [start_server("decode", *common) for _ in range(2)]
+    ps = [start_server("prefill", *common, wait=False) for _ in range(2)]
+    ds = [start_server("decode", *common, wait=False) for _ in range(2)]
+    ps, ds = [p.wait_ready() for p in ps], [d.wait_ready() for d in ds]  # side by side
     proxy = start_server(
         "proxy", *[a for p in ps for a in ("--prefill", p.url)],
         *[a for d in ds for a in ("--decode", d.url)],

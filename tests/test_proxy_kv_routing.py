@@ -253,9 +253,9 @@ def cluster(start_server, model_1k):
         args += ["--internal-token", TOKEN, "--served-model-name", "tiny"]
         args += ["--kv-events-endpoint", f"tcp://*:{free_port()}"]
         args += ["--kv-events-replay-endpoint", f"tcp://*:{free_port()}"]
-        return start_server(role, *args)
+        return start_server(role, *args, wait=False)
 
-    p1, p2, d = worker("prefill"), worker("prefill"), worker("decode")
+    p1, p2, d = (w.wait_ready() for w in (worker("prefill"), worker("prefill"), worker("decode")))
     proxy = start_server(
         "proxy", "--prefill", p1.url, "--prefill", p2.url, "--decode", d.url,
         "--internal-token", TOKEN, "--health-interval", "0.5",

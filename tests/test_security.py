@@ -29,7 +29,8 @@ ADMIN_ROUTES = [
 def workers(start_server, tiny_model):
     common = ["--model", str(tiny_model("llama")), "--num-blocks", "128", "--max-model-len", "256"]
     common += ["--internal-token", TOKEN, "--served-model-name", "tiny"]
-    return start_server("prefill", *common), start_server("decode", *common)
+    p, d = start_server("prefill", *common, wait=False), start_server("decode", *common, wait=False)
+    return p.wait_ready(), d.wait_ready()  # started side by side
 
 
 @pytest.fixture(scope="module")

@@ -67,7 +67,8 @@ def model(tiny_model, tmp_path_factory) -> Path:
 def cluster(start_server, model):
     common = ["--model", str(model), "--num-blocks", "320", "--max-model-len", "2048"]
     common += ["--no-prefix-caching", "--internal-token", TOKEN, "--served-model-name", "tiny"]
-    p, d = start_server("prefill", *common), start_server("decode", *common)
+    p, d = start_server("prefill", *common, wait=False), start_server("decode", *common, wait=False)
+    p, d = p.wait_ready(), d.wait_ready()  # started side by side
     proxy_args = ["--prefill", p.url, "--decode", d.url, "--internal-token", TOKEN]
     proxies = {
         "pull": start_server("proxy", *proxy_args),
