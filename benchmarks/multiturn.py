@@ -50,7 +50,8 @@ whose messages are at most 200 words, 128-token answers, a round's seed picking 
 
 Prints, per workload and system, TTFT p50 of turns 2+ and req/s (the median over rounds, each
 round's in brackets), the ratios to the worker alone and reuse/pd, the share of P's prompt
-tokens it found in its cache or read from D (the last round's) and how many turns went through P.
+tokens it found in its cache or read from D (the last round's), how many turns went through P,
+and the proxy's mean prefill call (to P until P's answer, every turn; its /metrics).
 """
 
 from __future__ import annotations
@@ -199,7 +200,18 @@ def run(url: str, conv: ConversationConfig, seed: int, args: argparse.Namespace)
     system, conversations = load_conversations(conv, seed)
     coroutine = benchmark_conversations(cfg, system, conversations, {})
     result = asyncio.run(asyncio.wait_for(coroutine, args.run_timeout))
-    return {k: v for k, v in result.items() if k not in ("requests", "server_metrics", "args")}
+    kept = {k: v for k, v in result.items() if k not in ("requests", "server_metrics", "args")}
+    return {**kept, "prefill_call_ms": _prefill_call_ms(result.get("server_metrics"))}
+
+
+def _prefill_call_ms(server: dict | None) -> float | None:
+    """The proxy's mean prefill call in this run (request to P until P's answer: the lease
+    excluded, P's read from D and compute included), from its /metrics; None for a worker."""
+    delta = (server or {}).get("delta", {})
+    count = delta.get("pdserve_proxy_prefill_seconds_count")
+    if not count:
+        return None
+    return 1000 * delta["pdserve_proxy_prefill_seconds_sum"] / count
 
 
 def study(bench: Bench, urls: dict[str, str], args: argparse.Namespace) -> dict:
@@ -270,8 +282,8 @@ def markdown_table(results: dict) -> str:
         f"| workload | TTFT p50 turns 2+ (ms): {' | '.join(shown)} | pd/alone | reuse/alone "
         f"| reuse/pd{' | reuse/vllm_pd' if theirs else ''} | req/s: {' | '.join(shown)} "
         "| reuse/alone | P's prompt cached: pd | reuse | read from D: reuse "
-        "| turns via P: pd | reuse |",
-        "|---|" + "---:|" * (2 * len(shown) + 9 + theirs),
+        "| turns via P: pd | reuse | prefill call (ms): pd | reuse |",
+        "|---|" + "---:|" * (2 * len(shown) + 11 + theirs),
     ]
     for name, by_system in results.items():
         ttft = {s: [r["by_turn"]["2+"][TTFT] for r in runs] for s, runs in by_system.items()}
@@ -292,6 +304,7 @@ def markdown_table(results: dict) -> str:
             _pct(cache["reuse"].get("lent_share")) if "reuse" in cache else "-",
             _via_p(by_system["pd"]) if "pd" in by_system else "-",
             _via_p(by_system["reuse"]) if "reuse" in by_system else "-",
+            *(_prefill_cell(by_system.get(s, [])) for s in ("pd", "reuse")),
         ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -339,6 +352,12 @@ def _via_p(runs: list[dict]) -> str:
     """Turns the proxy sent through P, of all, over every round."""
     via = sum(n for r in runs for path, n in r["routed"].items() if path.startswith("disagg"))
     return f"{via}/{sum(r['completed'] + r['failed'] for r in runs)}"
+
+
+def _prefill_cell(runs: list[dict]) -> str:
+    """The proxy's mean prefill call, the median over rounds."""
+    means = [r["prefill_call_ms"] for r in runs if r.get("prefill_call_ms") is not None]
+    return f"{statistics.median(means):.0f}" if means else "-"
 
 
 def _pct(share: float | None) -> str:
