@@ -8,8 +8,8 @@
 - **Prefill.** P computes the prompt and one token and keeps the KV (pull) or writes it into
   blocks D reserved first (push). When D holds a longer prefix of the prompt than P (an
   earlier turn's answer), D leases those blocks first and P reads them instead of computing
-  them (the reverse pull, `--reverse-pull-min-tokens`; in push mode P still writes the whole
-  prompt into the reservation). A P that fails is ejected
+  them (the reverse pull, `--reverse-pull-min-tokens`; in push mode D's reservation starts with
+  the blocks it holds, and P writes only the rest). A P that fails is ejected
   (connect errors) and the next one is tried; when none is left the request goes to D alone.
   A P that the health checks eject while a prefill waits on it (frozen) fails that prefill at
   once, retried the same way (inflight.py). P's 4xx is the client's error, returned.

@@ -14,6 +14,7 @@ from common.config import CacheConfig, EngineConfig, ModelConfig, TransferConfig
 from common.engine.engine import LLMEngine
 from common.kv_cache.block_pool import NoFreeBlocksError
 from common.kv_transfer.fake import FakeConnector, Loopback
+from common.kv_transfer.params import KVTransferParamsError, PushTarget
 from tests.test_pd_inprocess import connect, run, sampling, settle
 from tests.test_pd_inprocess import target as reserve_target
 from tests.tiny_models import VOCAB
@@ -249,3 +250,12 @@ def test_a_reservation_d_cannot_complete_gives_back_the_blocks_it_held(pd, twins
     with pytest.raises(NoFreeBlocksError):
         d.reserve_push(len(prompt) + BLOCK * (free + 1), prompt)
     settle(d)
+
+
+def test_a_push_target_leaves_p_the_last_block_to_write():
+    raw = {"engine_id": "d", "reservation_id": "r", "block_ids": [4, 5, 6], "host": "h", "port": 1}
+    assert PushTarget.parse(raw).num_held_blocks == 0  # a D that holds nothing, or an older one
+    assert PushTarget.parse({**raw, "num_held_blocks": 2}).num_held_blocks == 2
+    for bad in (3, -1, "2"):
+        with pytest.raises(KVTransferParamsError, match="push_to"):
+            PushTarget.parse({**raw, "num_held_blocks": bad})
