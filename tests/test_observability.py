@@ -126,8 +126,7 @@ def scraped(start_server, tiny_model, tmp_path_factory):
     """(Prometheus, its scraped metric names) once the load run is in it."""
     binary()  # before anything starts
     model = ["--model", str(tiny_model("llama")), *WORKER_ARGS]
-    # the workers one after the other (two loading at once on 2 cores only contend), then the
-    # light proxies side by side, and Prometheus while they start
+    # the workers side by side, then the light proxies, and Prometheus while they start
     p = start_server("prefill", *model, wait=False)
     d = start_server("decode", *model, wait=False)
     p, d = p.wait_ready(), d.wait_ready()  # started side by side
