@@ -13,7 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # every NIXL agent of the suite (in-process and in the workers it starts): an idle agent's
 # progress thread polls every 10 ms instead of 1 ms, ~0.3% of a core instead of ~1.5%; with a
 # dozen workers idle at a time that was ~5% of the 2-core box, and P/D latency did not change
-# (docs/results/2026-12-07-notebook.md)
+# (docs/deploy.md, "Environment variables")
 os.environ.setdefault("PDSERVE_NIXL_PROGRESS_DELAY_US", "10000")
 # httpx.get(...) and the like build a client, and with it a TLS context, on each call: ~20 ms of
 # CPU parsing certifi's bundle, ~20x the loopback request itself. The tests make thousands of such
