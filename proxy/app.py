@@ -29,6 +29,7 @@ from common.api.http import (
     json_body_openapi,
     read_body,
 )
+from common.api.limits import check_request_id
 from common.api.protocol import ChatCompletionRequest, CompletionRequest
 from common.tracing import NO_TRACE, start_trace
 from proxy.admin import install_admin_routes
@@ -75,8 +76,10 @@ async def serve(proxy: Proxy, request: Request, path: str) -> Response:
         key = bearer_key(request)
         rank = proxy.admission.rank_of(key, request.headers.get("x-priority"))
         proxy.admission.check_rate(key)
+        check_request_id(rid, proxy.cfg.limits)
         raw = await read_body(request, proxy.cfg.max_body_bytes)
-        req = ProxyRequest.parse(path, raw, rid, trace, request.headers.get("x-session-id"))
+        session = request.headers.get("x-session-id")
+        req = ProxyRequest.parse(path, raw, rid, trace, session, proxy.cfg.limits)
         slot = await _admitted(proxy, request, rank, trace)
         response = await proxy.orchestrator.handle(req)
     except UpstreamAPIError as e:  # a worker's 4xx, as the worker wrote it

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from common.api.limits import LIMIT_NAMES, RequestLimits, add_limit_flags, limits_from
 from common.credentials import check_secret, pick_secret
 from common.tracing import check_traces_endpoint
 from proxy.admission import RateLimit, parse_key_priorities, parse_rate_limits
@@ -73,6 +74,7 @@ class ProxyConfig:
     max_retries: int = 2  # more prefill workers tried after the first fails
     migration_limit: int = 3  # times one request may move to another D when its D fails; 0: off
     health: HealthConfig = field(default_factory=HealthConfig)
+    limits: RequestLimits = field(default_factory=RequestLimits)  # checked before the workers
     discovery_interval: float = 5.0  # seconds between resolutions of a dns:// entry
     dns_server: str | None = None  # IP[:PORT] asked instead of the system's resolver
     discovery_max_workers: int = MAX_WORKERS  # workers one dns:// entry may bring; the lowest
@@ -337,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
         "http://localhost:4318 (docs/observability.md; default: off, OpenTelemetry not loaded)",
     )
     add("--log-level", choices=["debug", "info", "warning", "error"])
+    add_limit_flags(p, show_defaults=False)
     return p
 
 
@@ -416,6 +419,8 @@ def from_dict(settings: dict) -> ProxyConfig:
     for flag, name in _HEALTH_FLAGS.items():
         if flag in settings:
             health[name] = settings.pop(flag)
+    limits = _normalized(settings.pop("limits", None) or {})  # a config file's "limits" table
+    limits |= {name: settings.pop(name) for name in LIMIT_NAMES if name in settings}
     known = {f.name for f in fields(ProxyConfig)}
     unknown = sorted(set(settings) - known)
     if unknown:
@@ -426,7 +431,10 @@ def from_dict(settings: dict) -> ProxyConfig:
     settings["discovery_allow"] = (allow,) if isinstance(allow, str) else tuple(allow)
     for name in ("rate_limit", "key_priority"):
         settings[name] = _assignments(settings.get(name) or ())
-    return ProxyConfig(**settings, health=HealthConfig(**health))
+    unknown = sorted(set(limits) - LIMIT_NAMES)
+    if unknown:
+        raise ValueError(f"unknown limits: {', '.join(unknown)}")
+    return ProxyConfig(**settings, health=HealthConfig(**health), limits=limits_from(limits))
 
 
 def _normalized(settings: dict) -> dict:

@@ -15,12 +15,14 @@ from dataclasses import dataclass
 
 from common.api.errors import InvalidRequestError
 from common.api.http import parse_json_object
+from common.api.limits import RequestLimits, check_body
 from common.tracing import NO_TRACE, NoTrace, Trace
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 GENERATION_PATHS = frozenset((COMPLETIONS_PATH, CHAT_PATH))
 _PREFILL_DROPS = ("stream_options", "max_completion_tokens", "logprobs", "echo")
+_DEFAULT_LIMITS = RequestLimits()
 MAX_SESSION_ID_CHARS = 256  # a longer X-Session-ID is cut: ids that long still tell sessions apart
 
 
@@ -41,10 +43,14 @@ class ProxyRequest:
         request_id: str,
         trace: Trace | NoTrace = NO_TRACE,
         session_header: str | None = None,
+        limits: RequestLimits | None = None,
     ) -> ProxyRequest:
         """`session_header`: the X-Session-ID header as received (empty: none; cut to
-        `MAX_SESSION_ID_CHARS`)."""
-        body = parse_json_object(raw)
+        `MAX_SESSION_ID_CHARS`); `limits` (default: the defaults) are checked before anything
+        is made from the body (a stream's choices, above all)."""
+        limits = limits or _DEFAULT_LIMITS
+        body = parse_json_object(raw, limits.max_json_depth)
+        check_body(body, is_chat=path == CHAT_PATH, limits=limits)
         for name in ("kv_transfer_params", "resume"):
             if body.get(name) is not None:
                 raise InvalidRequestError(

@@ -1,5 +1,5 @@
-"""Run the proxy: parse the command line, then either serve the app with uvicorn (uvloop and
-httptools when installed), or, with `--workers N` above 1, start N such processes on one port
+"""Run the proxy: parse the command line, then either serve the app with uvicorn (uvloop when
+installed, httptools), or, with `--workers N` above 1, start N such processes on one port
 and supervise them (proxy/processes.py). The children get the command line without its
 secrets, and the secrets in their environment."""
 
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         if count > 1:
             secrets = secrets_env(cfg)  # never on the children's command line
             sys.exit(supervise(child_argv(argv), secrets, cfg.host, cfg.port, count))
+    from common.api.http_server import bounded_http  # NOTE: only where it serves, as the app
     from proxy.app import build_app  # NOTE: only where it serves: the supervisor stays light
 
     config = uvicorn.Config(
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         log_level=cfg.log_level,
         access_log=False,
         loop="auto",
-        http="auto",
+        http=bounded_http(cfg.limits.max_header_bytes),
         timeout_graceful_shutdown=cfg.drain_timeout,
     )
     uvicorn.Server(config).run(sockets=process.sockets() if process else None)

@@ -19,9 +19,10 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from common.api.errors import UnavailableError
+from common.api.errors import APIError, UnavailableError
 from common.api.http import error_response, install_error_handlers
 from common.api.internal import install_internal_routes
+from common.api.limits import check_request_id
 from common.api.render import install_render_routes
 from common.api.routes import install_openai_routes
 from common.api.server_config import ServerConfig
@@ -73,6 +74,10 @@ def _install_request_ids(app: FastAPI, state: ServerState) -> None:
     @app.middleware("http")
     async def request_id(request: Request, call_next):
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            check_request_id(rid, state.cfg.limits)
+        except APIError as e:
+            return error_response(e)
         request.state.request_id = rid
         response = await call_next(request)
         response.headers["X-Request-Id"] = rid

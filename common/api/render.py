@@ -25,6 +25,7 @@ from pydantic import BaseModel
 from common.api.chat import prepare_chat
 from common.api.completions import prepare_prompts
 from common.api.http import json_body_openapi, read_json_body
+from common.api.limits import check_body
 from common.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -85,7 +86,9 @@ async def _parse(state: ServerState, request: Request, model: type[BodyT], endpo
     """The body as `model`, as the generation routes parse it: 503 until ready, 413, 400, and
     404 for a model this server does not serve."""
     state.require_ready()
-    body = await read_json_body(request, state.cfg.max_body_bytes)
+    limits = state.cfg.limits
+    body = await read_json_body(request, state.cfg.max_body_bytes, limits.max_json_depth)
+    check_body(body, is_chat=model is ChatCompletionRequest, limits=limits)
     req = parse_request(model, body)
     state.ignored_fields.note(req.ignored_fields, endpoint)
     state.check_model(req.model)

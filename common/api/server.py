@@ -18,6 +18,7 @@ import uvicorn
 
 from common.api.app import build_app
 from common.api.cli import parse_args
+from common.api.http_server import bounded_http
 from common.cpu import CpuBudget, pin_process, set_torch_interop_threads
 from common.engine.engine import LLMEngine
 
@@ -47,6 +48,7 @@ def main(role: str, argv: list[str] | None = None) -> None:
         port=server_cfg.port,
         log_level=server_cfg.log_level,
         access_log=False,
+        http=bounded_http(server_cfg.limits.max_header_bytes),
         timeout_graceful_shutdown=server_cfg.drain_timeout,
     )
     server = uvicorn.Server(config)

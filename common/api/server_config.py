@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.api.limits import RequestLimits
 from common.api.tools import PARSERS
 from common.cpu import CpuBudget
 from common.credentials import check_secret
@@ -29,6 +30,7 @@ class ServerConfig:
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector of traces; None: no tracing
     log_level: str = "info"
     cpu: CpuBudget = field(default_factory=CpuBudget)  # applied at startup (common/cpu.py)
+    limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

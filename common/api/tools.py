@@ -39,6 +39,7 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.api.errors import InvalidRequestError
+from common.api.limits import loads_bounded
 
 
 class FunctionDefinition(BaseModel):
@@ -147,8 +148,8 @@ class ToolParser(ABC):
 def _call_from_json(text: str, arguments_keys: tuple[str, ...]) -> ToolCall | None:
     """The call that `text` holds as one JSON object, or None if it holds none."""
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
+        value = loads_bounded(text)
+    except ValueError:  # not JSON, or too deep to be a call
         return None
     return _call_from_object(value, arguments_keys)
 
@@ -160,8 +161,8 @@ def _call_from_object(value: Any, arguments_keys: tuple[str, ...]) -> ToolCall |
     arguments = next((value[key] for key in arguments_keys if key in value), None)
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+            arguments = loads_bounded(arguments)
+        except ValueError:
             return None
     if arguments is None:
         arguments = {}
@@ -488,8 +489,8 @@ def tool_calls_from_required(text: str) -> list[ToolCall]:
     """The calls in an output forced by `required_tool_schema`; [] if it is not such an array
     (the output was cut short, e.g. by max_tokens): the caller then sends the text as content."""
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
+        value = loads_bounded(text)
+    except ValueError:  # also: nested deeper than any call's arguments may be
         return []
     if not isinstance(value, list):
         return []
@@ -501,8 +502,8 @@ def tool_call_from_named(name: str, text: str) -> ToolCall:
     """The call of `name` whose arguments are an output forced by `named_tool_schema`; an
     output that is not a JSON object (cut short) is passed on as the arguments text as it is."""
     try:
-        arguments = json.dumps(json.loads(text), ensure_ascii=False)
-    except json.JSONDecodeError:
+        arguments = json.dumps(loads_bounded(text), ensure_ascii=False)
+    except ValueError:
         arguments = text
     return ToolCall(function=FunctionCall(name=name, arguments=arguments))
 
@@ -630,8 +631,8 @@ def _with_parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
     function = call.get("function")
     if isinstance(function, dict) and isinstance(function.get("arguments"), str):
         # not JSON: the template gets the text as the client sent it
-        with contextlib.suppress(json.JSONDecodeError):
-            function["arguments"] = json.loads(function["arguments"])
+        with contextlib.suppress(ValueError):
+            function["arguments"] = loads_bounded(function["arguments"])
     return call
 
 
