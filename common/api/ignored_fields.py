@@ -11,6 +11,10 @@ aside, except the ones vLLM implements and this server does not, which would cha
 - `pdserve_ignored_fields_total{field}`: the label is the field's name for the first
   `max_names` distinct well-formed names and "other" after, so that clients, who choose the
   names, cannot grow the label set without bound.
+
+What it keeps is bounded too, whatever clients send: `max_names` names, and until the next line
+a count and the first `_EXAMPLES` others. A body's number of fields is bounded at the edge
+(`--max-fields`, common/api/limits.py).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from prometheus_client import Counter
 logger = logging.getLogger(__name__)
 
 OTHER = "other"
+_EXAMPLES = 10  # names of the others shown in the next line
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
@@ -41,26 +46,33 @@ class IgnoredFields:
         self.log_every_s = log_every_s
         self.clock = clock
         self.names: set[str] = set()  # labelled by their own name
-        self._unlogged: set[str] = set()  # ignored past max_names, since the last line
+        self._num_unlogged = 0  # fields ignored past max_names, since the last line
+        self._examples: list[str] = []  # the first _EXAMPLES distinct ones among them
         self._logged_at = -float("inf")
 
     def note(self, fields: Iterable[str], endpoint: str) -> None:
+        num_other = 0
         for field in fields:
             if field in self.names:
-                label = field
+                self.counter.labels(field=field).inc()
             elif len(self.names) < self.max_names and _NAME.match(field):
                 self.names.add(field)
-                label = field
+                self.counter.labels(field=field).inc()
                 logger.warning("%s: ignored the unknown request field %r", endpoint, field)
             else:
-                label = OTHER
-                self._unlogged.add(field[:64])
-            self.counter.labels(field=label).inc()
+                num_other += 1
+                if len(self._examples) < _EXAMPLES and field[:64] not in self._examples:
+                    self._examples.append(field[:64])
+        if num_other:
+            self.counter.labels(field=OTHER).inc(num_other)
+            self._num_unlogged += num_other
         now = self.clock()
-        if self._unlogged and now - self._logged_at >= self.log_every_s:
+        if self._num_unlogged and now - self._logged_at >= self.log_every_s:
             self._logged_at = now
-            shown = sorted(self._unlogged)[:10]
             logger.warning(
-                "ignored %d more unknown request field name(s), e.g. %s", len(self._unlogged), shown
+                "ignored %d more unknown request field(s), e.g. %s",
+                self._num_unlogged,
+                self._examples,
             )
-            self._unlogged.clear()
+            self._num_unlogged = 0
+            self._examples = []
