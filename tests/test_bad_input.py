@@ -78,6 +78,37 @@ INVALID = {  # name: (path, body, param)
 }
 # fmt: on
 
+DEEP_ARGUMENTS = '{"a":' * 1500 + "1" + "}" * 1500
+# ~975 levels of JSON as a tool's parameters, written out (json.dumps would recurse as deep)
+DEEP_SCHEMA = '{"type":"object","properties":{"a":' * 487 + '{"type":"object"}' + "}}" * 487
+DEEP_TOOL = b'{"messages":%s,"tool_choice":"required","tools":[{"type":"function",' % (
+    json.dumps(HI).encode()
+) + b'"function":{"name":"f","parameters":%s}}]}' % DEEP_SCHEMA.encode()
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP_ARGUMENTS}}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+# fmt: off
+HOSTILE = {  # name: (path, body or its bytes, param): a 400 naming its limit (api/limits.py)
+    "n of ten million, streamed":
+        (COMPLETIONS, dict(prompt="hi", n=10**7, stream=True), "n"),
+    "a choice of 20k strings":
+        (COMPLETIONS, dict(prompt="hi", guided_choice=[f"c{i}" for i in range(20_000)]),
+         "guided_choice"),
+    "a regex of 100k characters":
+        (COMPLETIONS, dict(prompt="hi", guided_regex="a" * 100_000), "guided_regex"),
+    "tool-call arguments 1500 deep":
+        (CHAT, dict(messages=[*HI, {"role": "assistant", "tool_calls": [CALL]},
+                              {"role": "tool", "tool_call_id": "c1", "content": "ok"}]),
+         "messages.1.tool_calls.0.function.arguments"),
+    "tool parameters 975 deep, tool_choice required": (CHAT, DEEP_TOOL, None),
+    "100k unknown fields":
+        (COMPLETIONS, {"prompt": "hi", **{f"x{i}": 1 for i in range(100_000)}}, None),
+    "1000 stop strings": (CHAT, dict(messages=HI, stop=["a"] * 1000), "stop"),
+    "129 tools": (CHAT, dict(messages=HI, tools=[{**TOOL, "function": {"name": "g"}}] * 129),
+                  "tools"),
+}
+# fmt: on
+PROXY_MAX_N = 8  # the proxy's own --max-n, below the workers' default
+
 
 @pytest.fixture(scope="module")
 def workers(start_server, tiny_model):
@@ -90,7 +121,8 @@ def workers(start_server, tiny_model):
 @pytest.fixture(scope="module")
 def proxy(start_server, workers):
     p, d = workers
-    return start_server("proxy", "--prefill", p.url, "--decode", d.url, "--internal-token", TOKEN)
+    args = ["--prefill", p.url, "--decode", d.url, "--internal-token", TOKEN]
+    return start_server("proxy", *args, "--max-n", str(PROXY_MAX_N))
 
 
 @pytest.fixture(params=["proxy", "decode"])
@@ -135,6 +167,43 @@ def test_invalid_requests(url, name):
     path, body, param = INVALID[name]
     status = 404 if name == "another model" else 400
     assert_error(post(url, path, json.dumps(body).encode()), status, param)
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_requests_are_refused_naming_their_limit(url, name):
+    """Each before anything is built from it (before: a 400 after seconds of work, or a 500)."""
+    path, body, param = HOSTILE[name]
+    r = post(url, path, body if isinstance(body, bytes) else json.dumps(body).encode())
+    assert_error(r, 400, param)
+    error = r.json()["error"]
+    assert error["code"] == "limit_exceeded" and "--max-" in error["message"], error
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+
+
+def test_the_proxy_checks_its_own_limits_before_a_worker_sees_the_request(proxy, workers):
+    body = json.dumps({"prompt": "hi", "max_tokens": 1, "n": PROXY_MAX_N + 1}).encode()
+    r = post(proxy.url, COMPLETIONS, body)
+    assert_error(r, 400, "n")
+    assert f"the limit is {PROXY_MAX_N} (--max-n)" in r.json()["error"]["message"]
+    assert post(workers[1].url, COMPLETIONS, body).status_code == 200  # the worker's is 128
+
+
+def test_request_heads_are_bounded(url):
+    """An X-Request-Id past its limit is a 400; a head past --max-header-bytes a 431, the
+    connection closed (httptools alone keeps headers of any size)."""
+    content = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    headers = {"content-type": "application/json"}
+    r = httpx.post(f"{url}{COMPLETIONS}", content=content, headers={**headers,
+                   "X-Request-Id": "r" * 257}, timeout=30)  # fmt: skip
+    assert_error(r, 400)
+    assert "--max-request-id-chars" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}{COMPLETIONS}", content=content, headers={**headers,
+                   "X-Big": "a" * (1 << 20)}, timeout=30)  # fmt: skip
+    assert_error(r, 431)
+    assert r.headers["connection"] == "close" and "--max-header-bytes" in r.text
+    r = httpx.post(f"{url}{COMPLETIONS}", content=content, headers={**headers,
+                   "X-Request-Id": "r" * 256, "X-Big": "a" * 60_000}, timeout=30)  # fmt: skip
+    assert r.status_code == 200, r.text
 
 
 def test_unknown_fields_are_ignored_logged_and_counted(url, workers):
