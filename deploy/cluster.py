@@ -185,6 +185,7 @@ def worker_command(
     if events is not None and not own:
         cmd += ["--kv-events-endpoint", f"tcp://*:{events[0]}"]
         cmd += ["--kv-events-replay-endpoint", f"tcp://*:{events[1]}"]
+        cmd += ["--kv-events-require-curve"]  # the keys: cluster_env's
     if cpu is not None:
         cmd += cpu.worker_args()
     return cmd + list(cfg.role_args(role))

@@ -33,6 +33,14 @@ Grafana's on 127.0.0.1: deploy/observability/monitoring.py; `--profile monitorin
 Workers share `PDSERVE_INTERNAL_TOKEN`, which compose takes from the environment or an `.env`
 file and refuses to start without.
 
+KV events (prompt token ids) are CURVE-encrypted and only the proxy's key may subscribe: the key
+files of `python -m common.kv_cache.curve_keys deploy/kv-events` (a one-time step, docs/deploy.md;
+git and the image build ignore the folder) are compose secrets, each process given only its own
+(a worker: the workers' secret key and the proxy's public key; the proxy: the workers' public
+key and its own secret key) through the `_FILE` twins of common/kv_cache/curve_keys.py. Without
+the files compose does not start, and a worker without keys would refuse to
+(`--kv-events-require-curve`).
+
 deploy/docker-compose.yml and deploy/docker-compose.cpu.yml are this script's output for their
 shapes (the command is in each file's first line); tests/test_deploy_compose.py checks that.
 A shape that does not fit (more tensor-parallel ranks than GPUs) exits 2 with a message naming
@@ -58,6 +66,7 @@ from dataclasses import dataclass
 
 import yaml  # PyYAML: already installed as a dependency of gguf, which the project requires
 
+from common.kv_cache import curve_keys
 from deploy.cores import CpuPlan, plan_cores
 from deploy.observability import monitoring
 from deploy.tp import add_tp_args, check_tensor_parallel, tp_args
@@ -77,6 +86,25 @@ TOKEN = "${PDSERVE_INTERNAL_TOKEN:?set PDSERVE_INTERNAL_TOKEN, e.g. in deploy/.e
 # the host IPC namespace and the peer's PID as this process sees it (pid: host). Without them UCX
 # silently falls back to tcp, several times slower. eth0 is the compose network.
 UCX_TLS = {"cuda": "cuda_ipc,cuda_copy,cma,tcp", "cpu": "cma,tcp"}
+
+
+# KV events CURVE keys: compose secret -> the key file under the compose file's folder
+KEYS_DIR = "./kv-events"  # python -m common.kv_cache.curve_keys deploy/kv-events
+KEY_SECRETS = {
+    "kv_events_server_key": "server.key",
+    "kv_events_server_pub": "server.pub",
+    "kv_events_client_key": "client.key",
+    "kv_events_client_pub": "client.pub",
+}
+# each process's variables (the `_FILE` twins) and the secrets they name, in /run/secrets
+WORKER_KEYS = {
+    f"{curve_keys.SERVER_SECRET_KEY}_FILE": "kv_events_server_key",
+    f"{curve_keys.CLIENT_KEYS}_FILE": "kv_events_client_pub",
+}
+PROXY_KEYS = {
+    f"{curve_keys.SERVER_KEY}_FILE": "kv_events_server_pub",
+    f"{curve_keys.CLIENT_SECRET_KEY}_FILE": "kv_events_client_key",
+}
 
 
 class Flow(list):
@@ -262,6 +290,7 @@ def worker_service(shape: Shape, worker: WorkerService, gpus: list[int] | None) 
     # KV events on the container's own network, for the proxy's KV-aware routing
     command += ["--kv-events-endpoint", f"tcp://*:{KV_EVENTS_PORT}"]
     command += ["--kv-events-replay-endpoint", f"tcp://*:{KV_EVENTS_PORT + 1}"]
+    command += ["--kv-events-require-curve"]  # its keys: the secrets below
     command += tp_args(shape.tp[worker.role])  # TP > 1: colocated only (deploy/tp.py)
     volumes = [f"{CACHE_VOLUME}:{CACHE_DIR}"]
     if shape.model_dir:
@@ -294,7 +323,9 @@ def worker_service(shape: Shape, worker: WorkerService, gpus: list[int] | None) 
             "UCX_NET_DEVICES": "eth0",
             "NIXL_LOG_LEVEL": "WARN",
             **gpu_env,
+            **key_files(WORKER_KEYS),
         },
+        "secrets": Flow(WORKER_KEYS.values()),
         "volumes": volumes,
         "expose": [str(worker.port)],
         **cores,
@@ -311,6 +342,11 @@ def worker_service(shape: Shape, worker: WorkerService, gpus: list[int] | None) 
     return service
 
 
+def key_files(variables: dict[str, str]) -> dict[str, str]:
+    """Each `_FILE` variable naming its secret's file, where compose mounts it."""
+    return {variable: f"/run/secrets/{secret}" for variable, secret in variables.items()}
+
+
 def proxy_service(shape: Shape, workers: list[WorkerService]) -> dict:
     command = ["python", "-m", "proxy", "--host", "0.0.0.0", "--port", str(PROXY_PORT)]
     command += ["--mode", shape.mode]
@@ -322,7 +358,8 @@ def proxy_service(shape: Shape, workers: list[WorkerService]) -> dict:
         "image": shape.image_name,
         "command": command,
         "restart": "unless-stopped",
-        "environment": {"PDSERVE_INTERNAL_TOKEN": TOKEN},
+        "environment": {"PDSERVE_INTERNAL_TOKEN": TOKEN, **key_files(PROXY_KEYS)},
+        "secrets": Flow(PROXY_KEYS.values()),
         "ports": [f"{shape.port}:{PROXY_PORT}"],
         "stop_grace_period": "35s",
         "healthcheck": healthcheck(PROXY_PORT),
@@ -347,7 +384,11 @@ def build_compose(shape: Shape) -> dict:
     services.update(monitoring.services(targets))
     env = services["prometheus"]["environment"]
     env[monitoring.CONFIG_VARIABLE] = Block(env[monitoring.CONFIG_VARIABLE])
-    return {"services": services, "volumes": {CACHE_VOLUME: {}, monitoring.DATA_VOLUME: {}}}
+    return {
+        "services": services,
+        "volumes": {CACHE_VOLUME: {}, monitoring.DATA_VOLUME: {}},
+        "secrets": {name: {"file": f"{KEYS_DIR}/{f}"} for name, f in KEY_SECRETS.items()},
+    }
 
 
 def render(shape: Shape) -> str:

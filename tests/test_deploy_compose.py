@@ -16,7 +16,9 @@ generated dashboard, both on 127.0.0.1 only. Nothing is started: no Docker engin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
+import logging
 import os
 import re
 import shutil
@@ -27,10 +29,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+import zmq
 
 from common.api.cli import parse_args
+from common.config import CurveServerKeys
 from common.cpu import parse_cpu_list
+from common.kv_cache import curve_keys
+from common.kv_cache.event_publisher import KVEventPublisher
 from deploy import compose
+from deploy.cluster import kv_events_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "test-token"
@@ -64,6 +71,14 @@ def docker_compose() -> str:
         message = "docker-compose is missing: run deploy/setup.sh (apt-get install docker-compose)"
         (pytest.fail if os.environ.get("CI") else pytest.skip)(message)
     return path
+
+
+@pytest.fixture
+def worker_keys(monkeypatch) -> None:
+    """KV events keys in the environment, as the secrets give them to a compose worker (which
+    refuses to start without them: --kv-events-require-curve)."""
+    for variable, value in kv_events_keys().items():
+        monkeypatch.setenv(variable, value)
 
 
 def generate(args: str) -> str:
@@ -309,10 +324,9 @@ def test_generated_file_validates(shape, tmp_path):
 
 
 @pytest.mark.parametrize("address", ["172.18.0.5", "172.18.0.6"])
-def test_cpu_replicas_advertise_their_own_address(address, monkeypatch):
+def test_cpu_replicas_advertise_their_own_address(address, monkeypatch, worker_keys):
     """Each replica runs the same command; `--kv-host auto` makes it advertise its own IP."""
-    monkeypatch.setattr(socket, "gethostname", lambda: "a1b2c3d4e5f6")  # a container's id
-    monkeypatch.setattr(socket, "gethostbyname", lambda name: address)  # Docker's /etc/hosts
+    in_a_container(monkeypatch, address)
     services = yaml.safe_load((ROOT / "deploy" / "docker-compose.cpu.yml").read_text())["services"]
     for role in ("prefill", "decode"):
         engine, server = parse_args(role, services[role]["command"][3:])
@@ -381,7 +395,7 @@ def test_bad_shape_exits_2_with_a_clear_message(argv, message):
     assert re.search(re.escape(message), result.stderr), result.stderr
 
 
-def test_a_tp_worker_gets_its_own_gpus_and_a_command_the_worker_accepts():
+def test_a_tp_worker_gets_its_own_gpus_and_a_command_the_worker_accepts(worker_keys):
     """Colocated decode workers of TP 2 on 4 GPUs: GPUs 0,1 and 2,3, every container seeing all
     four, and a command the worker's own parser takes (no KV connector: it would refuse nixl)."""
     text = generate(SHAPES["gpu-colocated-tp2"])
@@ -403,7 +417,7 @@ def test_a_tp_worker_gets_its_own_gpus_and_a_command_the_worker_accepts():
 
 
 @pytest.mark.parametrize("filename", ["docker-compose.yml", "docker-compose.cpu.yml"])
-def test_workers_publish_kv_events_bound_to_their_host(filename):
+def test_workers_publish_kv_events_bound_to_their_host(filename, worker_keys):
     services = pdserve_services(yaml.safe_load((ROOT / "deploy" / filename).read_text()))
     workers = [s["command"] for s in services.values() if str(s["command"][2]).endswith("_server")]
     assert len(workers) == 2
@@ -423,3 +437,93 @@ def test_each_worker_builds_its_kernels_outside_the_shared_volume(filename):
         kernels = Path(service["environment"]["PDSERVE_KERNEL_CACHE_DIR"])
         mounts = [Path(str(v).split(":")[1]) for v in service.get("volumes", [])]
         assert mounts and not any(kernels.is_relative_to(m) for m in mounts), (kernels, mounts)
+
+
+def in_a_container(monkeypatch, address: str = "172.18.0.5") -> None:
+    """`--kv-host auto` as a container resolves it: its id, to its address on the network."""
+    monkeypatch.setattr(socket, "gethostname", lambda: "a1b2c3d4e5f6")
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: address)
+
+
+def mounted_keys(service: dict, secrets: dict) -> dict[str, str]:
+    """The service's `_FILE` variables, each pointing at the host file compose mounts there (the
+    secrets it lists only, at /run/secrets/NAME), as the process in the container reads them."""
+    mounted = {
+        f"/run/secrets/{s['source']}": secrets[s["source"]]["file"] for s in service["secrets"]
+    }
+    env = service["environment"]
+    return {k: mounted[v] for k, v in env.items() if k.endswith("_FILE") and v in mounted}
+
+
+@pytest.mark.parametrize("filename", sorted(CHECKED_IN))
+def test_kv_events_are_curve_encrypted_with_keys_from_secrets(filename, tmp_path, monkeypatch):
+    """The key files of the one-time step, mounted as compose secrets: every worker reads its
+    secret key and the proxy's public key (and starts only with them), the proxy the workers'
+    public key and its own secret key, and no process sees the other side's secret key."""
+    in_a_container(monkeypatch)
+    (tmp_path / filename).write_text((ROOT / "deploy" / filename).read_text())
+    curve_keys.write_key_pairs(tmp_path / "kv-events")  # what docs/deploy.md has you run
+    result = compose_config(tmp_path / filename)
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load(result.stdout)
+    assert "secrets" in config, "no KV events keys: the file mounts no secrets"
+    services = pdserve_services(config)
+    proxy = curve_keys.CurveClientKeys.from_env(mounted_keys(services["proxy"], config["secrets"]))
+    assert proxy is not None, "the proxy subscribes without CURVE keys"
+    workers = {n: s for n, s in services.items() if n != "proxy"}
+    for name, service in workers.items():
+        command = service["command"]
+        for variable in curve_keys.SERVER_SECRET_KEY, curve_keys.CLIENT_KEYS:
+            monkeypatch.delenv(variable, raising=False)
+            monkeypatch.delenv(f"{variable}_FILE", raising=False)
+        with pytest.raises(SystemExit):  # no keys: the worker refuses to start
+            parse_args(command[2].removesuffix("_server"), command[3:])
+        for variable, path in mounted_keys(service, config["secrets"]).items():
+            monkeypatch.setenv(variable, path)
+        engine, _ = parse_args(command[2].removesuffix("_server"), command[3:])
+        keys = engine.kv_events.curve
+        assert keys is not None, f"{name}: KV events without CURVE"
+        assert curve_keys.public_key(keys.secret_key) == proxy.server_key, name
+        assert keys.client_public_keys == (proxy.public_key,), name
+    secret_files = {
+        s: config["secrets"][s]["file"] for s in ("kv_events_server_key", "kv_events_client_key")
+    }
+    for name, service in services.items():
+        mounted = {config["secrets"][s["source"]]["file"] for s in service["secrets"]}
+        own = secret_files["kv_events_client_key" if name == "proxy" else "kv_events_server_key"]
+        assert mounted & set(secret_files.values()) == {own}, f"{name} holds another's secret"
+
+
+def test_the_key_files_stay_out_of_git_and_the_image():
+    assert "deploy/kv-events" in (ROOT / ".dockerignore").read_text().split()
+    if shutil.which("git") and (ROOT / ".git").exists():
+        ignored = subprocess.run(
+            ["git", "check-ignore", "-q", "deploy/kv-events/server.key"], cwd=ROOT, timeout=30
+        )
+        assert ignored.returncode == 0, "deploy/kv-events/ is not git-ignored"
+
+
+def test_a_compose_worker_without_keys_warns_at_start(caplog, monkeypatch):
+    """The worker's publisher, as compose configures it but with no keys (and without
+    --kv-events-require-curve), names every socket it binds in a warning; with keys, none."""
+    in_a_container(monkeypatch)
+    services = pdserve_services(
+        yaml.safe_load((ROOT / "deploy" / "docker-compose.cpu.yml").read_text())
+    )
+    command = [a for a in services["decode"]["command"] if a != "--kv-events-require-curve"]
+    engine, _ = parse_args("decode", command[3:])
+    assert engine.kv_events.curve is None and engine.kv_events.bind_host == "0.0.0.0"
+    # the same wildcards, on loopback and ports the OS picks (this test binds nothing public)
+    cfg = dataclasses.replace(
+        engine.kv_events, endpoint="tcp://*:*", replay_endpoint="tcp://*:*", bind_host="127.0.0.1"
+    )
+    secret = zmq.curve_keypair()[1].decode()
+    for curve in None, CurveServerKeys(secret, (zmq.curve_keypair()[0].decode(),)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="common.kv_cache.event_publisher"):
+            KVEventPublisher(dataclasses.replace(cfg, curve=curve)).close()
+        warnings = [r.getMessage() for r in caplog.records if "NOT AUTHENTICATED" in r.getMessage()]
+        if curve is None:
+            assert warnings and "tcp://127.0.0.1:* and tcp://127.0.0.1:*" in warnings[0], warnings
+        else:
+            assert not warnings, warnings

@@ -30,6 +30,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from common.kv_cache import curve_keys
+
 ROOT = Path(__file__).resolve().parents[1]
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"
 TARGETS = ("base", "overlays/cpu", "overlays/gpu", "overlays/rdma", "overlays/gpu-tp2")
@@ -44,6 +46,7 @@ MIN_STARTUP_S = 600  # compose's start_period: preparing the model, loading and 
 TOKEN, API_KEY = "test-cluster-token", "test-api-key"
 GPU = "nvidia.com/gpu"
 POD_IP = "10.1.2.3"  # what status.podIP stands for when the servers' parsers read the args
+KEYS_DIR = "kv-events"  # base/kv-events/: the KV events CURVE keys the Secret is made from
 
 
 def kubectl() -> str:
@@ -65,9 +68,10 @@ def kustomize(directory: Path) -> subprocess.CompletedProcess:
 
 
 def copy_tree(destination: Path) -> Path:
-    """deploy/kubernetes without a local base/.env (a developer's real secrets stay out)."""
+    """deploy/kubernetes without a local base/.env or base/kv-events/ (a developer's real
+    secrets stay out)."""
     root = destination / "kubernetes"
-    shutil.copytree(KUSTOMIZE, root, ignore=shutil.ignore_patterns(".env"))
+    shutil.copytree(KUSTOMIZE, root, ignore=shutil.ignore_patterns(".env", KEYS_DIR))
     return root
 
 
@@ -108,6 +112,7 @@ def tree(tmp_path_factory) -> Path:
     root = copy_tree(tmp_path_factory.mktemp("k8s"))
     env = f"PDSERVE_INTERNAL_TOKEN={TOKEN}\nPDSERVE_API_KEY={API_KEY}\n"
     (root / "base" / ".env").write_text(env)
+    curve_keys.write_key_pairs(root / "base" / KEYS_DIR)  # the documented one-time step
     return root
 
 
@@ -192,7 +197,7 @@ def expand(container: dict) -> list[str]:
 
 def test_every_object_renders_and_validates(r):
     kinds = sorted(d["kind"] for d in r.docs)
-    expected = ["Deployment"] * 3 + ["PodDisruptionBudget"] * 3 + ["Secret"] + ["Service"] * 3
+    expected = ["Deployment"] * 3 + ["PodDisruptionBudget"] * 3 + ["Secret"] * 2 + ["Service"] * 3
     assert kinds == expected, r.target
     for doc in r.docs:
         for version in K8S_VERSIONS:
@@ -200,14 +205,19 @@ def test_every_object_renders_and_validates(r):
 
 
 def test_the_tree_holds_no_secret_and_renders_none_without_one(tmp_path):
-    result = kustomize(copy_tree(tmp_path) / "overlays" / "cpu")
+    root = copy_tree(tmp_path)
+    result = kustomize(root / "overlays" / "cpu")
     assert result.returncode != 0 and ".env" in result.stderr, result.stdout[:300]
-    assert "**/.env" in (ROOT / ".dockerignore").read_text().split(), "the image would hold it"
+    (root / "base" / ".env").write_text(f"PDSERVE_INTERNAL_TOKEN={TOKEN}\n")
+    result = kustomize(root / "overlays" / "cpu")  # the token but no KV events keys
+    assert result.returncode != 0 and KEYS_DIR in result.stderr, result.stdout[:300]
+    ignored_in_image = (ROOT / ".dockerignore").read_text().split()
+    assert "**/.env" in ignored_in_image, "the image would hold it"
+    assert f"deploy/kubernetes/base/{KEYS_DIR}" in ignored_in_image, "the image would hold them"
     if shutil.which("git") and (ROOT / ".git").exists():
-        ignored = subprocess.run(
-            ["git", "check-ignore", "-q", "deploy/kubernetes/base/.env"], cwd=ROOT, timeout=30
-        )
-        assert ignored.returncode == 0, "deploy/kubernetes/base/.env is not git-ignored"
+        for path in "deploy/kubernetes/base/.env", f"deploy/kubernetes/base/{KEYS_DIR}/server.key":
+            ignored = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT, timeout=30)
+            assert ignored.returncode == 0, f"{path} is not git-ignored"
 
 
 def test_every_container_has_its_three_probes(r):
@@ -279,7 +289,7 @@ def test_tokens_come_from_the_secret_in_the_render(r):
         assert not flag_values(container["args"], "--api-key")
         has_key = any(v["name"] == "PDSERVE_API_KEY" for v in container["env"])
         assert has_key == (role == "proxy"), (r.target, role)  # workers never see the API key
-    (secret,) = secrets.values()
+    (secret,) = [s for name, s in secrets.items() if name.startswith("pdserve-secrets-")]
     values = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
     assert values == {"PDSERVE_INTERNAL_TOKEN": TOKEN, "PDSERVE_API_KEY": API_KEY}
 
@@ -302,13 +312,15 @@ def test_a_gpu_per_rank_on_gpu_and_none_on_cpu(r):
             assert r.container(role)["image"].endswith(":cpu")
 
 
-def test_the_servers_accept_their_arguments(r):
+def test_the_servers_accept_their_arguments(r, tmp_path, monkeypatch):
     """Every flag is one the role's own parser knows (a typo would crash-loop the pods)."""
     from common.api.cli import parse_args as parse_worker_args
     from proxy.config import parse_args as parse_proxy_args
 
     for role in WORKER_ROLES:
         container = r.container(role)
+        for variable, path in mounted_key_files(r, role, tmp_path / role).items():
+            monkeypatch.setenv(variable, path)  # --kv-events-require-curve: it needs them
         assert container["command"] == ["python", "-m", f"{role}_server"]
         engine, server = parse_worker_args(role, expand(container))
         assert engine.transfer.advertise_host == POD_IP and server.host == "0.0.0.0"
@@ -401,6 +413,54 @@ def test_the_rdma_example_adds_what_rdma_needs(tree):
         assert env(container, "UCX_TLS")["value"].startswith("rc,")
         assert not pod_spec(gpu.deployment(role)).get("hostNetwork"), "only the example"
     assert not pod_spec(rdma.deployment("proxy")).get("hostNetwork")
+
+
+def mounted_key_files(r: Render, role: str, root: Path) -> dict[str, str]:
+    """The container's `_FILE` variables that name a file of a Secret volume it mounts: the
+    Secret's items written under `root` as the kubelet would mount them, and each variable
+    pointing at its file there. A file no mount provides is left out (the process would fail)."""
+    spec, container = pod_spec(r.deployment(role)), r.container(role)
+    secrets = {s["metadata"]["name"]: s["data"] for s in r.of_kind("Secret")}
+    volumes = {v["name"]: v["secret"] for v in spec.get("volumes", []) if "secret" in v}
+    files = {}
+    for mount in container.get("volumeMounts", []):
+        if mount["name"] not in volumes:
+            continue
+        volume = volumes[mount["name"]]
+        data = secrets[volume["secretName"]]
+        items = volume.get("items") or [{"key": k, "path": k} for k in data]
+        for item in items:
+            path = root / mount["mountPath"].lstrip("/") / item["path"]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(base64.b64decode(data[item["key"]]))
+            files[f"{mount['mountPath'].rstrip('/')}/{item['path']}"] = str(path)
+    variables = {v["name"]: v.get("value") for v in container.get("env", [])}
+    return {k: files[v] for k, v in variables.items() if k.endswith("_FILE") and v in files}
+
+
+def test_kv_events_are_curve_encrypted_with_keys_from_the_secret(r, tmp_path, monkeypatch):
+    """Every worker reads the workers' secret key and the proxy's public key from the Secret
+    (and exits without them: --kv-events-require-curve), the proxy the workers' public key and
+    its own secret key; no pod mounts the other side's secret key."""
+    from common.api.cli import parse_args as parse_worker_args
+
+    proxy_files = mounted_key_files(r, "proxy", tmp_path / "proxy")
+    proxy = curve_keys.CurveClientKeys.from_env(proxy_files)
+    assert proxy is not None, f"{r.target}: the proxy subscribes without CURVE keys"
+    for role in WORKER_ROLES:
+        container = r.container(role)
+        assert "--kv-events-require-curve" in container["args"], (r.target, role)
+        files = mounted_key_files(r, role, tmp_path / role)
+        for variable, path in files.items():
+            monkeypatch.setenv(variable, path)
+        engine, _ = parse_worker_args(role, expand(container))
+        keys = engine.kv_events.curve
+        assert keys is not None, f"{r.target}, {role}: KV events without CURVE"
+        assert curve_keys.public_key(keys.secret_key) == proxy.server_key, (r.target, role)
+        assert keys.client_public_keys == (proxy.public_key,), (r.target, role)
+        assert proxy.secret_key not in {Path(p).read_text().strip() for p in files.values()}
+    for path in proxy_files.values():
+        assert Path(path).read_text().strip() != keys.secret_key, "the proxy holds the workers'"
 
 
 def test_workers_publish_kv_events_on_their_pod_address(r):

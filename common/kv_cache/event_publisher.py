@@ -16,7 +16,9 @@ Hardening: each subscriber's send queue holds at most `hwm` batches (past it tha
 misses batches and catches up by replay); replay requests are served a few batches at a time
 under a budget per peer host (event_replay.py), between sends of new batches; with `curve` both
 sockets speak CURVE (encrypted) and admit only the listed subscribers' public keys, checked by
-a ZAP handler thread of the publisher's own ZMQ context.
+a ZAP handler thread of the publisher's own ZMQ context. Without CURVE, every TCP address it
+binds is named in a warning at start (`open_addresses`; the worker's `--kv-events-require-curve`
+makes it an error).
 
 `publish` runs on the engine thread and never blocks: it numbers the batch and queues it for
 the publisher's own thread, which encodes, sends and buffers it for replay. When the queue is
@@ -78,6 +80,14 @@ class KVEventPublisher:
             raise ValueError(f"cannot open the KV events endpoint: {e}") from e
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
+        if unauthenticated := open_addresses(cfg):
+            logger.warning(
+                "KV EVENTS ARE NOT AUTHENTICATED: %s bound without CURVE keys, so anyone who "
+                "reaches it reads every cached prompt's token ids. Set the keys "
+                "(docs/security.md, 'KV events: CURVE and budgets'), or pass "
+                "--kv-events-require-curve to refuse to start without them",
+                " and ".join(unauthenticated),
+            )
         logger.info(
             "publishing KV events on %s%s",
             cfg.endpoint,
@@ -193,6 +203,16 @@ def bind_address(endpoint: str, host: str | None) -> str:
         return endpoint
     address = _address_of(host)
     return f"tcp://[{address}]:{port}" if ":" in address else f"tcp://{address}:{port}"
+
+
+def open_addresses(cfg: KVEventsConfig) -> list[str]:
+    """The TCP addresses the publisher binds without CURVE (none with keys): whoever reaches one
+    may subscribe and read the prompts' token ids. A connected PUB endpoint is not listed."""
+    if cfg.curve is not None or cfg.endpoint is None:
+        return []
+    bound = [cfg.endpoint] if _is_bind_endpoint(cfg.endpoint) else []
+    bound += [cfg.replay_endpoint] if cfg.replay_endpoint is not None else []
+    return [bind_address(e, cfg.bind_host) for e in bound if e.startswith("tcp://")]
 
 
 def _address_of(host: str) -> str:
