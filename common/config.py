@@ -110,6 +110,62 @@ class SchedulerConfig:
             )
 
 
+def _grammar(default: int, flag: str, help: str):
+    return field(default=default, metadata={"flag": flag, "help": help})
+
+
+@dataclass(frozen=True)
+class GrammarConfig:
+    """What one structured output may cost (common/engine/structured.py; docs/security.md,
+    "Grammar cost"): the rows a request may add to every step, time budgets to compile and for
+    each step's mask, and llguidance's own parser limits (`LLParserLimits`). Each field is one
+    worker flag (`flag`)."""
+
+    max_rows: int = _grammar(
+        16, "--max-grammar-rows", "choices (n) of a request with a grammar: each is a row of "
+        "every step's masks",
+    )  # fmt: skip
+    compile_budget_ms: int = _grammar(
+        500, "--grammar-compile-budget-ms", "ms a grammar may take to compile, its first mask "
+        "included, off the engine thread; over it is a 400",
+    )  # fmt: skip
+    mask_budget_ms: int = _grammar(
+        20, "--grammar-mask-budget-ms", "ms a step waits for its grammar masks after the "
+        "forward; a request whose mask is later ends with grammar_too_expensive",
+    )  # fmt: skip
+    max_grammar_size: int = _grammar(
+        10_000, "--grammar-max-size", "symbols of a grammar (llguidance's max_grammar_size; "
+        "its default 500000)",
+    )  # fmt: skip
+    lexer_fuel: int = _grammar(
+        100_000, "--grammar-lexer-fuel", "work to build a grammar's lexer (llguidance's "
+        "initial_lexer_fuel; its default 1000000)",
+    )  # fmt: skip
+    step_lexer_fuel: int = _grammar(
+        200_000, "--grammar-step-fuel", "lexer work of one mask (llguidance's step_lexer_fuel)"
+    )
+    step_max_items: int = _grammar(
+        50_000, "--grammar-step-items", "parser items of one mask (llguidance's step_max_items)"
+    )
+    max_items_in_row: int = _grammar(
+        2_000, "--grammar-row-items", "items of one parser row (llguidance's max_items_in_row)"
+    )
+    max_lexer_states: int = _grammar(
+        20_000, "--grammar-lexer-states", "lexer states of a grammar, ~1-2 kB each "
+        "(llguidance's max_lexer_states; its default 250000)",
+    )  # fmt: skip
+
+    @staticmethod
+    def flag(name: str) -> str:
+        """The worker flag that sets field `name`."""
+        return next(f.metadata["flag"] for f in fields(GrammarConfig) if f.name == name)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"{self.flag(f.name)} must be >= 1, got {getattr(self, f.name)}")
+
+
 @dataclass(frozen=True)
 class TransferConfig:
     """KV transfer between workers. `connector=None`: none (colocated serving only)."""
@@ -219,6 +275,7 @@ class EngineConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)
 
     def __post_init__(self) -> None:
         tp = self.parallel.tensor_parallel_size

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 from common.engine.stats import EngineStats
+from common.engine.structured import GrammarSeconds
 from common.kv_transfer import transport_info
 from common.kv_transfer.transfers import DescriptorHistogram, RunningHistogram, SecondsHistogram
 from common.native.choice import choices as kernel_choices
@@ -56,16 +57,22 @@ def _catch_up(counter: Counter, label: str, totals: dict[str, int]) -> None:
 
 
 class _RunningHistogramCollector:
-    """A histogram by op (read: pull, on D; write: push, on P) of the engine's running
+    """A histogram by op (read: pull, on D; write: push, on P; or `ops`) of the engine's running
     histograms (common/kv_transfer/transfers.py), set from its stats at each scrape."""
 
-    def __init__(self, name: str, doc: str, empty: type[RunningHistogram]) -> None:
-        self.name, self.doc, self.empty = name, doc, empty
+    def __init__(
+        self,
+        name: str,
+        doc: str,
+        empty: type[RunningHistogram],
+        ops: tuple[str, ...] = ("read", "write"),
+    ) -> None:
+        self.name, self.doc, self.empty, self.ops = name, doc, empty, ops
         self.histograms: dict[str, RunningHistogram] = {}
 
     def collect(self):
         family = HistogramMetricFamily(self.name, self.doc, labels=["op"])
-        for op in ("read", "write"):
+        for op in self.ops:
             histogram = self.histograms.get(op, self.empty())
             bounds = [str(float(b)) for b in histogram.BUCKETS] + ["+Inf"]
             cumulative, running = [], 0
@@ -288,6 +295,21 @@ class ServerMetrics:
             SecondsHistogram,
         )
         r.register(self.transfer_seconds)
+        self.grammar_seconds = _RunningHistogramCollector(
+            "pdserve_grammar_seconds",
+            "Structured outputs' grammar time, by op: compile (a spec's grammar and its first"
+            " mask, on the compile threads), mask (one row's token mask in one step)",
+            GrammarSeconds,
+            ops=("compile", "mask"),
+        )
+        r.register(self.grammar_seconds)
+        self.grammar_refusals = Counter(
+            "pdserve_grammar_refusals",
+            "Requests refused at admission, or ended, for their grammar's cost, by reason:"
+            " compile_budget, compile_limit, rows, mask_budget, stream_limit (docs/security.md)",
+            ["reason"],
+            registry=r,
+        )
         self.handshakes = Counter(
             "pdserve_kv_handshakes", "Handshakes with a new KV peer", registry=r
         )
@@ -319,6 +341,8 @@ class ServerMetrics:
             _catch_up(self.recomputed, "reason", stats.kv_recomputed)
             self.descriptors.histograms = stats.kv_descriptors
             self.transfer_seconds.histograms = stats.kv_seconds
+            self.grammar_seconds.histograms = stats.grammar_seconds
+            _catch_up(self.grammar_refusals, "reason", stats.grammar_refusals)
             for name, counter in self.transfer_counters.items():
                 delta = getattr(stats, name) - counter._value.get()
                 if delta > 0:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.kv_transfer.base import KVTransferStats
-from common.kv_transfer.transfers import DescriptorHistogram, SecondsHistogram
+from common.kv_transfer.transfers import DescriptorHistogram, RunningHistogram, SecondsHistogram
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,15 @@ class EngineStats:
     kv_events_dropped: int = 0  # KV event batches the publisher's queue had no room for
     kv_descriptors: dict[str, DescriptorHistogram] = field(default_factory=dict)  # read | write
     kv_seconds: dict[str, SecondsHistogram] = field(default_factory=dict)  # read | write
+    grammar_seconds: dict[str, RunningHistogram] = field(default_factory=dict)  # compile | mask
+    grammar_refusals: dict[str, int] = field(default_factory=dict)  # by reason (structured.py)
 
 
 def engine_stats(engine, kv_events) -> EngineStats:
     """The snapshot of `engine` (an LLMEngine) now; on the engine thread."""
     sched, pool = engine.scheduler, engine.pool
     kv = engine.connector.stats_snapshot() if engine.connector else KVTransferStats()
+    grammar_seconds, grammar_refusals = engine.grammars.stats.snapshot()
     return EngineStats(
         num_running=len(sched.running),
         num_waiting=len(sched.waiting),
@@ -76,4 +79,6 @@ def engine_stats(engine, kv_events) -> EngineStats:
         kv_events_dropped=kv_events.num_dropped if kv_events is not None else 0,
         kv_descriptors=kv.descriptors,
         kv_seconds=kv.seconds,
+        grammar_seconds=grammar_seconds,
+        grammar_refusals=grammar_refusals,
     )
