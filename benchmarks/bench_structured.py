@@ -26,9 +26,10 @@ a grammar.
    request runs to max_tokens (finish_reason length, checked); the unconstrained side ignores EOS.
    The two sides alternate within each round (their order rotating), `--rounds` rounds: output
    tok/s median [min-max], the ratio of the medians. On the constrained side's timed runs
-   GrammarMasks is wrapped: per step with grammars, `_fill` (on the mask thread, during the
-   forward), `apply` (all of it, the wait included) and the wait in `apply` for the fill
-   (`future.result()`); "hidden" is the share of the fill time not waited for.
+   GrammarMasks is wrapped: per step with grammars, `_fill` (one row's mask, on the mask
+   threads during the forward, summed over the rows), `apply` (all of it, the wait included) and
+   the wait in `apply` for every row's fill; "hidden" is the share of the fill time not waited
+   for. A grammar's cost to the other streams of its worker: bench_grammar_cost.py.
 
     python -m benchmarks.bench_structured [--rounds 3] [--concurrency 1 32] [--skip-libraries]
 
@@ -43,6 +44,7 @@ import json
 import os
 import statistics
 import time
+from concurrent import futures
 from pathlib import Path
 
 from benchmarks.peers import machine_header, spread
@@ -413,7 +415,8 @@ def run_libraries(args) -> None:
 
 
 class MaskTimer:
-    """Wraps one GrammarMasks' `_fill` and `apply`: seconds per step with grammars."""
+    """Wraps one GrammarMasks' `_fill` (one row's mask, on a mask thread) and `apply`: seconds
+    per step with grammars, the fill summed over the step's rows."""
 
     def __init__(self, masks):
         self.masks = masks
@@ -422,19 +425,18 @@ class MaskTimer:
         self.steps: list[dict] = []  # {rows, fill, apply, wait}
         self._fills: dict[int, float] = {}
 
-        def fill(grammars):
+        def fill(grammar, row):
             start = time.perf_counter()
-            bits = self._fill(grammars)
-            self._fills[id(grammars)] = time.perf_counter() - start
-            return bits
+            self._fill(grammar, row)
+            self._fills[id(grammar)] = time.perf_counter() - start
 
         def apply(pending, logits):
             start = time.perf_counter()
-            pending.future.result()
+            futures.wait(pending.futures)
             waited = time.perf_counter() - start
             self._apply(pending, logits)
             total = time.perf_counter() - start
-            fill_s = self._fills.pop(id(pending.grammars), float("nan"))
+            fill_s = sum(self._fills.pop(id(g), float("nan")) for g in pending.grammars)
             if self.on:
                 self.steps.append(
                     dict(rows=len(pending.rows), fill=fill_s, apply=total, wait=waited)
@@ -540,8 +542,9 @@ def print_engine_table(args, results: dict, steps: dict) -> None:
             f"{hidden:>8.0%}{len(st):>7}"
         )
     print(
-        "(fill: GrammarMasks._fill on the mask thread, all rows; apply: GrammarMasks.apply, "
-        "its wait for the fill included;\n wait: apply's future.result(); hidden: 1 - sum(wait) "
+        "(fill: GrammarMasks._fill on the mask threads, summed over rows; apply: "
+        "GrammarMasks.apply, its wait for the fill included;\n wait: for every row's fill; "
+        "hidden: 1 - sum(wait) "
         "/ sum(fill); medians over the constrained timed runs' steps with every row sampled)"
     )
 

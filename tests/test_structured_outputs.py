@@ -1,22 +1,39 @@
 """Structured outputs in the engine (common/engine/structured.py), colocated and between a
 prefill and a decode engine over the FakeConnector: a tiny random model under a grammar still
 writes only what the grammar allows, P's first token is constrained too, and D continues the
-grammar from it. HTTP, the OpenAI SDK and the proxy: test_structured_api.py.
+grammar from it. What a grammar may cost (docs/security.md, "Grammar cost"): refused at
+admission, or ended with grammar_too_expensive, its blocks given back, and other requests
+unchanged. HTTP, the OpenAI SDK and the proxy: test_structured_api.py.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
+import random
+import threading
+import time
 from concurrent.futures import Future
 
 import jsonschema
 import pytest
 import torch
 
+from common.config import CacheConfig, EngineConfig, GrammarConfig, ModelConfig
+from common.engine.engine import LLMEngine
 from common.engine.llm import LLM
 from common.engine.request import Resume
 from common.engine.sampling_params import SamplingParams, StructuredOutputs
-from common.engine.structured import GrammarMasks, PendingMasks, block_by_bits, block_by_fill
+from common.engine.structured import (
+    LIMIT_EXCEEDED,
+    TOO_EXPENSIVE,
+    Grammar,
+    GrammarError,
+    GrammarMasks,
+    PendingMasks,
+    block_by_bits,
+    block_by_fill,
+)
 from common.kv_transfer.fake import Loopback
 from tests.test_pd_inprocess import connect, make_engine, prefill, reserve, run, settle
 
@@ -287,10 +304,11 @@ def test_masks_block_exactly_the_tokens_the_grammar_refuses(llm):
     for row in (4, 5):
         assert logits[row].isfinite().nonzero().flatten().tolist() == list(eos), row
     # a mask with no token allowed is a dead end: the grammar says so, the row is all -inf
-    empty = Future()
-    empty.set_result(torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32))
+    filled = Future()
+    filled.set_result(None)
+    nothing = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
     grammar = compiler.grammar(StructuredOutputs(regex="[0-9]+"))
-    masks.apply(PendingMasks([1], [grammar], empty), logits)
+    masks.apply(PendingMasks([1], [grammar], nothing, [filled]), logits)
     assert logits[1].isinf().all() and "allows no token after 0" in grammar.error
     assert masks.start([Seq(None), Seq(None)]) is None  # nothing to do without grammars
 
@@ -308,3 +326,158 @@ def test_the_cpu_bit_path_equals_the_masked_fill_of_other_devices():
     block_by_fill(by_fill, rows, allowed)
     assert torch.equal(by_bits, by_fill) and not torch.equal(by_bits, logits)
     assert torch.equal(by_bits[[1, 3, 4]], logits[[1, 3, 4]])
+
+
+# -- what a grammar may cost ------------------------------------------------------------------
+
+# passed admission in 1 ms, then cost 0.8 s on its first step and ~0.1 s on each one after
+PATHOLOGICAL = "((a{70}){70}){70}"
+NO_LEXER_LIMIT = 1_000_000  # llguidance's own default lexer fuel: the regex compiles under it
+
+
+def cost_engine(tiny_model, **grammar) -> LLMEngine:
+    config = EngineConfig(
+        ModelConfig(str(tiny_model("llama")), dtype="float32", enforce_eager=True),
+        CacheConfig(num_blocks=64, enable_prefix_caching=False),
+        grammar=GrammarConfig(**grammar),
+    )
+    return LLMEngine(config)
+
+
+def run_all(engine: LLMEngine, deadline_s: float = 120.0) -> dict:
+    """Step until no request is left, under a deadline: each request's last output; then wait,
+    under the deadline too, for every block to be back in the pool."""
+    last, deadline = {}, time.monotonic() + deadline_s
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the requests did not finish"
+        last.update((out.request_id, out) for out in engine.step())
+    while not engine.pool.is_all_free:
+        assert time.monotonic() < deadline, f"{engine.pool.num_used_blocks} blocks not freed"
+        time.sleep(0.01)
+    return last
+
+
+@pytest.fixture(scope="module")
+def defaults(tiny_model):
+    """An engine with the default grammar limits."""
+    return cost_engine(tiny_model)
+
+
+def test_pathological_regex_is_refused_or_ends_within_its_first_tokens(defaults):
+    """Under llguidance's lexer fuel, the regex that cost ~0.1 s a step is refused at admission
+    or ends with grammar_too_expensive within its first tokens, as the request's own error,
+    naming the limit; its blocks come back."""
+    try:
+        defaults.add_request("patho", "x", constrained(max_tokens=64, regex=PATHOLOGICAL))
+    except GrammarError as e:
+        assert e.code == TOO_EXPENSIVE and "--grammar-" in str(e), str(e)
+        assert not defaults.has_unfinished_requests()
+        return
+    out = run_all(defaults)["patho"]
+    assert out.error_is_request_fault and out.grammar_error_code == TOO_EXPENSIVE, out.error
+    assert "--grammar-" in out.error and len(out.outputs[0].token_ids) < 8, out.error
+    if "--grammar-mask-budget-ms" not in out.error:  # a limit, not a time: refused from now on
+        with pytest.raises(GrammarError, match="ended an earlier request") as info:
+            defaults.add_request("again", "x", constrained(regex=PATHOLOGICAL))
+        assert info.value.code == TOO_EXPENSIVE and not defaults.has_unfinished_requests()
+
+
+def test_huge_choice_is_refused_at_admission_naming_the_limit(defaults):
+    """20,000 strings (a grammar of 20,000 symbols; once stalled a worker's other streams
+    0.7 s): over --grammar-max-size (or, on a busy CPU, past the compile budget before
+    llguidance gets to count), a GrammarError at admission; nothing is added."""
+    rng = random.Random(0)
+    choice = tuple("".join(rng.choices("abcdefghij", k=12)) for _ in range(20_000))
+    limit = "--grammar-(max-size|compile-budget-ms)"
+    with pytest.raises(GrammarError, match=limit) as info:
+        defaults.grammars.check(StructuredOutputs(choice=choice))
+    assert info.value.code == TOO_EXPENSIVE
+    with pytest.raises(GrammarError, match=limit):
+        defaults.add_request("choice", "x", constrained(choice=choice))
+    assert not defaults.has_unfinished_requests() and defaults.pool.is_all_free
+
+
+def test_n_over_the_grammar_rows_cap_is_refused(defaults):
+    params = constrained(json=json.dumps(SCHEMAS["flat"]))
+    params.n = GrammarConfig().max_rows + 1
+    with pytest.raises(GrammarError, match="--max-grammar-rows") as info:
+        defaults.add_request("rows", "x", params)
+    assert info.value.code == LIMIT_EXCEEDED
+    assert not defaults.has_unfinished_requests() and defaults.pool.is_all_free
+    params.n = GrammarConfig().max_rows  # at the cap: admitted
+    defaults.add_request("rows", "x", params)
+    assert len(run_all(defaults)["rows"].outputs) == params.n
+
+
+def test_a_grammar_that_compiles_past_its_budget_is_refused(tiny_model):
+    """Compiling (its first mask included, where llguidance builds the lexer) runs on the
+    compiler's threads; past --grammar-compile-budget-ms the spec is refused, and once the
+    compile has finished, it still is."""
+    engine = cost_engine(tiny_model, compile_budget_ms=1, lexer_fuel=NO_LEXER_LIMIT)
+    spec = StructuredOutputs(regex=PATHOLOGICAL)
+    with pytest.raises(GrammarError, match="--grammar-compile-budget-ms") as info:
+        engine.add_request("slow", "x", constrained(regex=PATHOLOGICAL))
+    assert info.value.code == TOO_EXPENSIVE and not engine.has_unfinished_requests()
+    engine.grammars.submit(spec).result(timeout=60)  # done, off this thread
+    with pytest.raises(GrammarError, match="--grammar-compile-budget-ms"):
+        engine.grammars.check(spec)
+
+
+def test_a_mask_over_budget_ends_its_request_and_frees_its_blocks(tiny_model):
+    """Admitted (no lexer limit, a long compile budget), the regex's masks take ~0.1 s: past
+    --grammar-mask-budget-ms its request ends with grammar_too_expensive, its blocks return
+    to the pool, and a plain request beside it gets exactly its tokens alone."""
+    engine = cost_engine(
+        tiny_model, mask_budget_ms=1, compile_budget_ms=60_000, lexer_fuel=NO_LEXER_LIMIT
+    )
+    plain = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    engine.add_request("alone", "x", plain)
+    alone = run_all(engine)["alone"].outputs[0].token_ids
+    engine.add_request("victim", "x", plain)
+    engine.add_request("patho", "The answer is", constrained(max_tokens=64, regex=PATHOLOGICAL))
+    outs = run_all(engine)
+    patho, victim = outs["patho"], outs["victim"]
+    assert patho.error_is_request_fault and patho.grammar_error_code == TOO_EXPENSIVE
+    assert "--grammar-mask-budget-ms" in patho.error, patho.error
+    assert victim.error is None and victim.outputs[0].token_ids == alone
+    _, refusals = engine.grammars.stats.snapshot()
+    assert refusals.get("mask_budget") == 1
+
+
+class BlockingMatcher:
+    """A matcher whose mask waits for `release` (if any), then allows every token."""
+
+    def __init__(self, release: threading.Event | None = None):
+        self.release = release
+
+    def unsafe_compute_mask_ptr(self, ptr: int, size: int) -> None:
+        if self.release is not None:
+            self.release.wait(30)
+        ctypes.memset(ptr, 0xFF, size)
+
+    def is_error(self) -> bool:
+        return False
+
+
+def test_rows_past_the_mask_budget_end_and_rows_queued_behind_them_do_not():
+    """Five masks that never finish in time and a quick one queued behind them on the mask
+    threads: the five end with grammar_too_expensive; the quick one is not charged for their
+    time, gets a second budget on a fresh pool, and is applied; the step waits no longer."""
+    release = threading.Event()
+    slow = [Grammar(BlockingMatcher(release)) for _ in range(5)]
+    quick = Grammar(BlockingMatcher())
+
+    class Seq:
+        def __init__(self, grammar):
+            self.grammar = grammar
+
+    masks = GrammarMasks(64, budget_ms=200)
+    logits = torch.randn(6, 64)
+    before = logits.clone()
+    try:
+        pending = masks.start([Seq(g) for g in [*slow, quick]])
+        masks.apply(pending, logits)
+    finally:
+        release.set()
+    assert all(g.error_code == TOO_EXPENSIVE and "mask-budget" in g.error for g in slow)
+    assert quick.error is None and torch.equal(logits, before)  # every token allowed
