@@ -1,4 +1,5 @@
-"""The cost of one prefill choice of KV-aware routing vs the prefills the proxy has in flight.
+"""The cost of a prefix lookup: one prefill choice of KV-aware routing vs the prefills the proxy
+has in flight, and a worker's key for each full block of a prompt.
 
 `KVRouter.choose("prefill", ...)` runs on the proxy's event loop for every request. For each
 prefill worker it needs how much of the prompt the prefills in flight on it share (they count
@@ -12,6 +13,11 @@ system prefix (a `BlockIndex` from KV events); `--prompt-tokens` tokens a prompt
 the shared prefix (half of it) and its own tail; the in-flight prefills split over the two
 workers. A row is the fastest of `--repeats` choices (the least disturbed by other
 processes); a few seconds in all.
+
+The block keys (common/kv_cache/block_hash.py) are hashed once per full block of every request a
+worker admits: `hash()` (before) is the key as it was, Python's hash of (parent, the block's
+tokens as a tuple), kept below in this file only; `sha256` (now) the key as it is. Per block, the
+fastest of `--repeats` chains over the whole prompt.
 
     .venv/bin/python -m benchmarks.bench_prefix_lookup [--prompt-tokens 32768] [--repeats 15]
 """
@@ -27,6 +33,7 @@ from contextlib import ExitStack, contextmanager
 import httpx
 import msgspec
 
+from common.kv_cache.block_hash import chain_hashes, root_hash
 from common.kv_cache.events import KVEventBatch, KVEventCollector
 from common.kv_cache.manager import hash_block
 from proxy.config import from_dict
@@ -112,6 +119,30 @@ def time_choices(router: KVRouter, workers, prompts, num_in_flight: int, repeats
     return min(seconds)
 
 
+def python_hash_chain(tokens: list[int], block_size: int) -> list[int]:
+    """The block keys as they were: Python's hash() of (parent, the block's tokens)."""
+    hashes: list[int] = []
+    for i in range(len(tokens) // block_size):
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash((parent, tuple(tokens[i * block_size : (i + 1) * block_size]))))
+    return hashes
+
+
+def time_block_keys(tokens: list[int], repeats: int) -> tuple[float, float]:
+    """Seconds per full block: (hash() as it was, sha256 as it is)."""
+    root = root_hash("model", "a salt")
+    before = min(_seconds(lambda: python_hash_chain(tokens, BLOCK)) for _ in range(repeats))
+    now = min(_seconds(lambda: chain_hashes(tokens, BLOCK, [], root)) for _ in range(repeats))
+    num_blocks = len(tokens) // BLOCK
+    return before / num_blocks, now / num_blocks
+
+
+def _seconds(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt-tokens", type=int, default=32768)
@@ -136,6 +167,9 @@ def main() -> None:
             time_choices(r, workers, prompts, num, args.repeats) for r in routers.values()
         )
         print(f"{num:>9}  {scan * 1e3:>16.2f}  {index * 1e3:>14.2f}  {scan / index:>7.1f}x")
+    before, now = time_block_keys(prompts[0], args.repeats)
+    print(f"\nblock keys, {n}-token prompt, blocks of {BLOCK}, per block:")
+    print(f"  hash() (before) {before * 1e9:.0f} ns   sha256 (now) {now * 1e9:.0f} ns")
 
 
 if __name__ == "__main__":

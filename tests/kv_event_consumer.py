@@ -72,16 +72,15 @@ def replay(ctx: zmq.Context, url: str, start: int) -> list[tuple[int, bytes]]:
             got.append((int.from_bytes(seq, "big"), payload))
 
 
-def _signed(h: int) -> int:
-    return h - (1 << 64) if h >= 1 << 63 else h
-
-
 class CacheMirror:
     """Rebuilds a worker's block set from its events, in sequence order; what the live stream
     missed (a subscriber that joined late, ZMQ's slow joiner) it asks the replay socket for."""
 
-    def __init__(self, ctx: zmq.Context, url: str, replay_url: str):
-        self.ctx, self.replay_url = ctx, replay_url
+    def __init__(self, ctx: zmq.Context, url: str, replay_url: str, root: bytes):
+        """`root`: the worker's first-block parent for prompts without a salt (its
+        `KVCacheManager.root(None)`): each hash sent is checked against the key it names."""
+        self.ctx, self.replay_url, self.root = ctx, replay_url, root
+        self.keys: dict[int, bytes | None] = {}  # the key each hash sent names (None: salted)
         self.sub = ctx.socket(zmq.SUB)
         self.sub.subscribe(b"")
         self.sub.connect(url)
@@ -109,11 +108,13 @@ class CacheMirror:
         size, parent = event.block_size, event.parent_block_hash
         assert parent is None or parent in self.ever_stored, "a parent nobody stored"
         assert len(event.token_ids) == size * len(event.block_hashes)
+        is_salted = parent is None and (event.extra_keys or [None])[0] is not None
+        key = None if is_salted else self.root if parent is None else self.keys[parent]
         for i, h in enumerate(event.block_hashes):  # each hash covers its parent and its tokens
-            tokens = tuple(event.token_ids[i * size : (i + 1) * size])
-            expected = hash_block(None if parent is None else _signed(parent), tokens)
-            assert h == external_hash(expected), "hash, parent and tokens disagree"
-            parent = h
+            if key is not None:
+                key = hash_block(key, event.token_ids[i * size : (i + 1) * size])
+                assert h == external_hash(key), "hash, parent and tokens disagree"
+            self.keys[h] = key
         self.blocks.update(event.block_hashes)
         self.ever_stored.update(event.block_hashes)
 

@@ -9,11 +9,12 @@ from common.kv_cache.manager import KVCacheManager
 
 
 class Seq:
-    def __init__(self, tokens, rid="s"):
+    def __init__(self, tokens, rid="s", cache_salt=None):
         self.request_id = rid
         self.blocks, self.block_hashes = [], []
         self.num_computed_tokens = 0
         self.all_token_ids = list(tokens)
+        self.cache_salt = cache_salt
 
     @property
     def num_tokens(self):
@@ -95,3 +96,27 @@ def test_allocate_slots_fails_without_taking_anything():
     seq = Seq(range(12))
     assert not kv.allocate_slots(seq, 12)
     assert seq.blocks == [] and pool.is_all_free
+
+
+def cached(kv: KVCacheManager, seq: Seq) -> Seq:
+    """`seq` computed, its full blocks in the prefix cache, its blocks freed."""
+    assert kv.allocate_slots(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    kv.cache_full_blocks(seq, seq.num_tokens)
+    kv.free(seq)
+    return seq
+
+
+def test_blocks_are_shared_only_under_the_same_salt_and_model():
+    pool = BlockPool(16)
+    kv = KVCacheManager(pool, block_size=4, namespace="model-a")
+    cached(kv, Seq(range(13), cache_salt="tenant-1"))
+    assert kv.get_computed_blocks(Seq(range(13), cache_salt="tenant-1"))[1] == 12
+    assert kv.get_computed_blocks(Seq(range(13), cache_salt="tenant-2"))[1] == 0
+    assert kv.get_computed_blocks(Seq(range(13)))[1] == 0  # no salt: not the salted blocks
+    assert kv.take_cached_prefix(list(range(13))) == []  # D's lease and push reservation too
+    assert len(kv.take_cached_prefix(list(range(13)), "tenant-1")) == 3
+    cached(kv, Seq(range(13)))
+    assert kv.get_computed_blocks(Seq(range(13)))[1] == 12  # without a salt: shared, as before
+    other_model = KVCacheManager(pool, block_size=4, namespace="model-b")
+    assert other_model.get_computed_blocks(Seq(range(13)))[1] == 0

@@ -30,8 +30,10 @@ from common.kv_cache.events import (
     KVEventBatch,
     KVEventCollector,
     external_hash,
+    salt_extra_keys,
 )
 from common.kv_cache.manager import KVCacheManager
+from proxy.kv_index import BlockIndex, decode_batch, root_of
 from tests.kv_event_consumer import (
     DECODE,
     CacheMirror,
@@ -57,11 +59,16 @@ VLLM_BYTES = bytes.fromhex(
 )
 
 
+def key(last_8_bytes: int) -> bytes:
+    """A 32-byte block key that goes out as `last_8_bytes` (`external_hash`)."""
+    return bytes(range(24)) + last_8_bytes.to_bytes(8, "big")
+
+
 def test_batches_encode_as_vllm_does_and_decode_into_its_shapes():
     events = KVEventCollector(block_size=2)
-    events.stored(1, 7, [1, 2])
-    events.stored(-1, 1, [3, 4])  # continues the chain: one event; -1 goes out as 2**64 - 1
-    events.removed(1)
+    events.stored(key(1), key(7), [1, 2])
+    events.stored(key(2**64 - 1), key(1), [3, 4])  # continues the chain: one event
+    events.removed(key(1))
     ours = msgspec.msgpack.encode(KVEventBatch(1.5, [*events.take(), AllBlocksCleared()], 0))
     assert ours == VLLM_BYTES
 
@@ -177,6 +184,11 @@ class EngineThread:
     def cached_hashes(self) -> set[int]:
         return {external_hash(h) for h in self.call(self.engine.engine.pool.cached_hashes)}
 
+    @property
+    def root(self) -> bytes:
+        """The parent of a first block without a salt: what the events' hashes chain from."""
+        return self.engine.engine.scheduler.kv.root(None)
+
     def generate(self, prompts: list[list[int]]) -> None:
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
@@ -216,10 +228,14 @@ def worker(tiny_model, ports):
     worker.stop()
 
 
+def urls(ports) -> tuple[str, str]:
+    return f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}"
+
+
 @pytest.fixture
-def mirror(ports):
+def mirror(ports, worker):
     ctx = zmq.Context()
-    mirror = CacheMirror(ctx, f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}")
+    mirror = CacheMirror(ctx, *urls(ports), worker.root)
     yield mirror
     ctx.destroy(linger=0)
 
@@ -264,7 +280,7 @@ def test_a_late_subscriber_replays_from_zero(worker, ports):
     worker.generate(random_prompts(20, 2, 13))
     ctx = zmq.Context()
     try:
-        late = CacheMirror(ctx, f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}")
+        late = CacheMirror(ctx, *urls(ports), worker.root)
         batches = replay(ctx, f"tcp://127.0.0.1:{ports[1]}", 0)
         assert [seq for seq, _ in batches] == list(range(len(batches))) and batches
         for seq, payload in batches:
@@ -311,3 +327,28 @@ def test_a_worker_process_publishes_and_stops_cleanly(start_server, tiny_model):
     finally:
         sub.close(linger=0)
         ctx.term()
+
+
+# -- cache_salt in events --------------------------------------------------------------------------
+def test_a_salted_chain_names_its_salt_by_tag_and_routers_root_it_apart():
+    """The first block of a salted chain carries the salt's tag in `extra_keys` (never the salt),
+    and the proxy's index (proxy/kv_index.py) files it under that root: a prompt without the
+    salt matches none of it, one with the salt all of it."""
+    pool = BlockPool(8)
+    pool.events = KVEventCollector(block_size=4)
+    kv = KVCacheManager(pool, block_size=4, namespace="model")
+    for salt in ("tenant-1", None):
+        seq = Seq(range(9), cache_salt=salt)
+        assert kv.allocate_slots(seq, 9)
+        kv.cache_full_blocks(seq, 9)
+        kv.free(seq)
+    payload = msgspec.msgpack.encode(KVEventBatch(0.0, pool.take_events(), 0))
+    assert b"tenant-1" not in payload
+    salted, plain = DECODE(payload).events
+    assert salted.extra_keys == [salt_extra_keys("tenant-1"), None]
+    assert salted.parent_block_hash is None and plain.extra_keys == [None, None]
+    index = BlockIndex(block_size=4)
+    index.store(decode_batch(payload).events[0])  # the salted chain alone
+    assert index.match(list(range(9))) == 0
+    assert index.match(list(range(9)), root_of(salt_extra_keys("tenant-1"))) == 2
+    assert index.match(list(range(9)), root_of(salt_extra_keys("tenant-2"))) == 0

@@ -2,8 +2,8 @@
 
 Every block is in exactly one of three states:
 - empty: ref_count 0, no hash; allocatable at once;
-- cached: ref_count 0 with a prefix hash; reusable by a prefix hit, evictable (LRU) when the
-  empties run out;
+- cached: ref_count 0 with a prefix hash (its key: common/kv_cache/block_hash.py); reusable by
+  a prefix hit, evictable (LRU) when the empties run out;
 - in use: ref_count > 0 (shared blocks of a common prefix have ref_count > 1).
 
 Allocation prefers a contiguous run of block ids (NIXL merges descriptors of adjacent memory,
@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from common.kv_cache.block_hash import BlockHash
 from common.kv_cache.events import KVCacheEvent, KVEventCollector
 
 _EMPTY, _TAKEN = 1, 0
@@ -32,7 +33,7 @@ class NoFreeBlocksError(RuntimeError):
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
+    block_hash: BlockHash | None = None
 
 
 class BlockPool:
@@ -44,7 +45,7 @@ class BlockPool:
         self._empty = bytearray([_EMPTY]) * num_blocks  # one byte per block: a fast run search
         self._num_empty = num_blocks
         self._cached: OrderedDict[int, Block] = OrderedDict()  # evictable, LRU first
-        self._by_hash: dict[int, Block] = {}
+        self._by_hash: dict[BlockHash, Block] = {}
         self.num_hits = 0
         self.num_queries = 0
         self.events: KVEventCollector | None = None  # None: no KV events published
@@ -96,7 +97,7 @@ class BlockPool:
             block.ref_count += 1
 
     # -- prefix cache ---------------------------------------------------------------------------
-    def lookup(self, block_hashes: list[int], count: bool = True) -> list[Block]:
+    def lookup(self, block_hashes: list[BlockHash], count: bool = True) -> list[Block]:
         """The longest run of leading hashes that are cached; `count`: in the hit rate."""
         hits: list[Block] = []
         if self.enable_prefix_caching:
@@ -110,7 +111,7 @@ class BlockPool:
             self.num_hits += len(hits)
         return hits
 
-    def cache(self, block: Block, block_hash: int) -> bool:
+    def cache(self, block: Block, block_hash: BlockHash) -> bool:
         """Register a full, computed block under its hash chain value; False if it was already
         registered, or its hash was (by another block)."""
         if not self.enable_prefix_caching or block.block_hash is not None:
@@ -128,7 +129,7 @@ class BlockPool:
         if self.events is not None and not self._by_hash:
             self.events.cleared()
 
-    def cached_hashes(self) -> set[int]:
+    def cached_hashes(self) -> set[BlockHash]:
         """The hashes a prefix lookup can hit now (cached and in-use blocks)."""
         return set(self._by_hash)
 

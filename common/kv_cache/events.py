@@ -8,8 +8,15 @@ events (vllm-router's `kv_aware` policy, Dynamo, llm-d) read ours. msgpack, via 
 
 `BlockStored` covers a run of consecutive blocks of one prefix chain: `parent_block_hash` is the
 hash of the block before the first (None for a prompt's first block) and `token_ids` holds
-`block_size` tokens per block. Hashes go out as unsigned 64-bit ints (`external_hash`): our
-chain hash is a signed Python hash, and consumers read u64 (vllm-router rejects negatives).
+`block_size` tokens per block. Hashes go out as unsigned 64-bit ints (`external_hash`: the
+last 8 bytes of our 32-byte key, as vLLM sends its sha256 keys by default), which consumers read
+(vllm-router rejects negatives). They name blocks in events only: a worker finds a block by its
+full key, so two keys that share their last 8 bytes can mislead a router, never a lookup.
+
+A salted chain's first block carries `extra_keys` `[("cache_salt", tag)]`, where vLLM would put
+the salt itself: `tag` names the salt without revealing it (common/kv_cache/block_hash.py), so
+that a router can tell salted chains apart (proxy/kv_index.py roots them there) while a reader
+of the events cannot hit them.
 
 The block pool (removals, resets) and the cache manager (stored blocks) record into a
 `KVEventCollector` when one is attached (`BlockPool.events`); the engine thread takes the
@@ -20,15 +27,24 @@ from __future__ import annotations
 
 import msgspec
 
+from common.kv_cache.block_hash import BlockHash, salt_tag
+
 # NOTE: vLLM reports its primary KV cache as "GPU" on every device, its CPU build included; "CPU"
 # is its offloading tier, which routers discount. Ours is the primary cache wherever it lives.
 MEDIUM = "GPU"
-_U64 = (1 << 64) - 1
 
 
-def external_hash(block_hash: int) -> int:
-    """Our chain hash as the u64 consumers expect (a bijection on signed 64-bit hashes)."""
-    return block_hash & _U64
+SALT_KEY = "cache_salt"  # extra_keys of a salted chain's first block: (SALT_KEY, its tag)
+
+
+def external_hash(block_hash: BlockHash) -> int:
+    """Our block key as the u64 consumers expect (its last 8 bytes, big-endian, as vLLM's)."""
+    return int.from_bytes(block_hash[-8:], "big")
+
+
+def salt_extra_keys(cache_salt: str | None) -> tuple[str, str] | None:
+    """What a chain's first block carries in `extra_keys`: None without a salt."""
+    return None if cache_salt is None else (SALT_KEY, salt_tag(cache_salt))
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -80,7 +96,14 @@ class KVEventCollector:
         self.block_size = block_size
         self._events: list[KVCacheEvent] = []
 
-    def stored(self, block_hash: int, parent_hash: int | None, token_ids: list[int]) -> None:
+    def stored(
+        self,
+        block_hash: BlockHash,
+        parent_hash: BlockHash | None,
+        token_ids: list[int],
+        extra_keys: tuple | None = None,
+    ) -> None:
+        """`extra_keys`: `salt_extra_keys` for a salted chain's first block."""
         assert len(token_ids) == self.block_size, "a stored block is a full block"
         block_hash = external_hash(block_hash)
         parent = None if parent_hash is None else external_hash(parent_hash)
@@ -88,7 +111,7 @@ class KVEventCollector:
         if isinstance(last, BlockStored) and parent == last.block_hashes[-1]:
             last.block_hashes.append(block_hash)
             last.token_ids.extend(token_ids)
-            last.extra_keys.append(None)
+            last.extra_keys.append(extra_keys)
             return
         self._events.append(
             BlockStored(
@@ -99,12 +122,12 @@ class KVEventCollector:
                 lora_id=None,
                 medium=MEDIUM,
                 lora_name=None,
-                extra_keys=[None],  # what vLLM sends for a plain-text block
+                extra_keys=[extra_keys],  # [None]: what vLLM sends for a plain-text block
                 group_idx=0,
             )
         )
 
-    def removed(self, block_hash: int) -> None:
+    def removed(self, block_hash: BlockHash) -> None:
         last = self._events[-1] if self._events else None
         if isinstance(last, BlockRemoved):
             last.block_hashes.append(external_hash(block_hash))

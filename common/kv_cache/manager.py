@@ -3,21 +3,27 @@
 The scheduler asks three things: how much of a prompt is already cached (`get_computed_blocks`),
 room for the tokens it is about to compute (`allocate_slots`), and to give a request's blocks
 back (`free`). Full blocks are hashed as a chain (each hash covers its block's tokens and every
-token before it), so a hit on block i implies hits on blocks 0..i-1.
+token before it), so a hit on block i implies hits on blocks 0..i-1; the chain starts at a root
+that covers the model and the request's `cache_salt` (common/kv_cache/block_hash.py).
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from common.kv_cache.block_hash import BlockHash, chain_hashes, hash_block, root_hash
 from common.kv_cache.block_pool import Block, BlockPool
+from common.kv_cache.events import salt_extra_keys
+
+__all__ = ["CacheSeq", "KVCacheManager", "chain_hashes", "hash_block"]
 
 
 class CacheSeq(Protocol):
     request_id: str
     blocks: list[Block]
-    block_hashes: list[int]
+    block_hashes: list[BlockHash]
     num_computed_tokens: int
+    cache_salt: str | None  # its chain's own root: shares blocks only with the same salt
 
     @property
     def all_token_ids(self) -> list[int]: ...
@@ -26,16 +32,14 @@ class CacheSeq(Protocol):
     def num_tokens(self) -> int: ...
 
 
-def hash_block(parent: int | None, token_ids: tuple[int, ...]) -> int:
-    # NOTE: hash() of ints and tuples is not salted per process, so equal prefixes hash equally
-    # in every worker.
-    return hash((parent, token_ids))
-
-
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int):
+    def __init__(self, pool: BlockPool, block_size: int, namespace: str = ""):
+        """`namespace`: the model's identity, in every block's key (the KV compatibility hash
+        in a worker)."""
         self.pool = pool
         self.block_size = block_size
+        self.namespace = namespace
+        self._root = root_hash(namespace)  # of every request without a salt
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -50,11 +54,14 @@ class KVCacheManager:
         hits = self.pool.lookup(seq.block_hashes[:max_blocks])
         return hits, len(hits) * self.block_size
 
-    def take_cached_prefix(self, token_ids: list[int]) -> list[Block]:
+    def take_cached_prefix(
+        self, token_ids: list[int], cache_salt: str | None = None
+    ) -> list[Block]:
         """The cached leading blocks of a prompt, at most all but its last token, each now
         referenced for the caller (who frees them): what a reader may copy while they are held."""
         max_blocks = (len(token_ids) - 1) // self.block_size
-        hashes = chain_hashes(token_ids[: max_blocks * self.block_size], self.block_size, [])
+        prefix = token_ids[: max_blocks * self.block_size]
+        hashes = chain_hashes(prefix, self.block_size, [], self.root(cache_salt))
         hits = self.pool.lookup(hashes, count=False)
         self.pool.touch(hits)
         return hits
@@ -90,20 +97,20 @@ class KVCacheManager:
         """A KV event for block i of `seq`, newly in the prefix cache."""
         parent = seq.block_hashes[i - 1] if i else None
         tokens = seq.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
-        self.pool.events.stored(seq.block_hashes[i], parent, tokens)
+        extra_keys = None if i else salt_extra_keys(seq.cache_salt)
+        self.pool.events.stored(seq.block_hashes[i], parent, tokens, extra_keys)
 
     def free(self, seq: CacheSeq) -> None:
         self.pool.free(list(reversed(seq.blocks)))
         seq.blocks.clear()
 
+    def root(self, cache_salt: str | None) -> BlockHash:
+        """The parent of a first block: the model's, and the salt's when there is one."""
+        return self._root if cache_salt is None else root_hash(self.namespace, cache_salt)
+
     def _update_hashes(self, seq: CacheSeq) -> None:
         """Extend the sequence's hash chain over the full blocks it has now."""
-        chain_hashes(seq.all_token_ids, self.block_size, seq.block_hashes)
-
-
-def chain_hashes(tokens: list[int], block_size: int, hashes: list[int]) -> list[int]:
-    """`hashes` (a chain over the first blocks of `tokens`) extended over every full block."""
-    for i in range(len(hashes), len(tokens) // block_size):
-        parent = hashes[-1] if hashes else None
-        hashes.append(hash_block(parent, tuple(tokens[i * block_size : (i + 1) * block_size])))
-    return hashes
+        tokens, hashes = seq.all_token_ids, seq.block_hashes
+        if len(tokens) // self.block_size > len(hashes):
+            root = hashes[-1] if hashes else self.root(seq.cache_salt)  # a salted one: once
+            chain_hashes(tokens, self.block_size, hashes, root)
