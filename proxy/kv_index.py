@@ -3,10 +3,18 @@
 The events are vLLM 0.32's (common/kv_cache/events.py writes them; docs/interop.md): a
 `BlockStored` carries, for a run of blocks of one prefix chain, the hash of the block before the
 run and `block_size` token ids per block. That is enough to index a block as
-`(parent hash, its tokens) → its hash` without knowing the worker's hash function (ours is a
-Python hash, vLLM's a sha256): a prompt's cached prefix is then a walk from the root, block by
-block, as long as the next `(parent, tokens)` is indexed. So the index matches exactly what the
-worker's own prefix-cache lookup would find (a chain broken by an evicted parent stops both).
+`(parent hash, its tokens) → its hash` without knowing the worker's hash function (ours and
+vLLM's are both sha256s, of different inputs): a prompt's cached prefix is then a walk from the
+root, block by block, as long as the next `(parent, tokens)` is indexed. So the index matches
+exactly what the worker's own prefix-cache lookup would find (a chain broken by an evicted
+parent stops both).
+
+A chain's first block has no parent hash, and its root is what else its key covers: a
+`cache_salt` (vLLM's per-request field), which our workers name in the first block's
+`extra_keys` (common/kv_cache/events.py). Such a block is indexed under that root, never the
+plain one, so that a prompt without the salt is never matched to blocks its lookup cannot hit;
+any other `extra_keys` on a first block (vLLM's LoRA names, images, its raw salt) root it apart
+the same way.
 
 The structs declare only the fields the index reads; msgspec skips the others, so newer vLLM
 fields do no harm. Hashes may be ints or bytes (vLLM's sha256 mode). Blocks of a LoRA adapter or
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -41,6 +50,7 @@ class BlockStored(_Event):
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
+    extra_keys: list[Any] | None = None  # one entry per block (None: none)
 
 
 class BlockRemoved(_Event):
@@ -61,13 +71,23 @@ class EventBatch(msgspec.Struct, array_like=True):
 decode_batch = msgspec.msgpack.Decoder(EventBatch).decode
 
 
+Root = tuple | None  # what a chain's first block is indexed under: None, the plain root
+
+
+def root_of(extra_keys: Any) -> Root:
+    """The root of a chain whose first block carries these `extra_keys`."""
+    if extra_keys is None:
+        return None
+    return ("extra_keys", msgspec.msgpack.encode(extra_keys))  # hashable, whatever they hold
+
+
 class BlockIndex:
-    """The blocks one worker holds: `(parent hash, block tokens) → hash`, and back."""
+    """The blocks one worker holds: `(parent hash or root, block tokens) → hash`, and back."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
-        self._by_key: dict[tuple[Hash | None, tuple[int, ...]], Hash] = {}
-        self._key_of: dict[Hash, tuple[Hash | None, tuple[int, ...]]] = {}
+        self._by_key: dict[tuple[Hash | Root, tuple[int, ...]], Hash] = {}
+        self._key_of: dict[Hash, tuple[Hash | Root, tuple[int, ...]]] = {}
 
     def __len__(self) -> int:
         return len(self._key_of)
@@ -88,6 +108,8 @@ class BlockIndex:
         size, parent = event.block_size, event.parent_block_hash
         if size != self.block_size or len(event.token_ids) != size * len(event.block_hashes):
             return  # not this worker's block size: nothing a prompt walk could match
+        if parent is None and event.extra_keys:
+            parent = root_of(event.extra_keys[0])
         for i, block_hash in enumerate(event.block_hashes):
             key = (parent, tuple(event.token_ids[i * size : (i + 1) * size]))
             self._by_key[key] = block_hash
@@ -104,9 +126,10 @@ class BlockIndex:
         self._by_key.clear()
         self._key_of.clear()
 
-    def match(self, token_ids: list[int]) -> int:
-        """How many leading full blocks of the prompt this worker holds."""
-        size, parent, num = self.block_size, None, 0
+    def match(self, token_ids: list[int], root: Root = None) -> int:
+        """How many leading full blocks of the prompt this worker holds (of the chain from
+        `root`: None for a prompt without a salt)."""
+        size, parent, num = self.block_size, root, 0
         for start in range(0, len(token_ids) - size + 1, size):
             parent = self._by_key.get((parent, tuple(token_ids[start : start + size])))
             if parent is None:

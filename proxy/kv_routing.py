@@ -27,6 +27,9 @@ For a request, when a pool it may use has a worker with events (proxy/kv_events.
    `--reverse-pull-min-tokens`, P reads those blocks from D instead of computing them
    (proxy/orchestrator.py leases them on D first).
 
+A request with a `cache_salt` shares blocks only with its salt's: it is routed as if no worker
+had events (`kv_fallbacks_total{reason="cache_salt"}`), so no hit is ever claimed across salts.
+
 `pdserve_proxy_prefix_hit_blocks{role}` counts the prompt blocks the chosen worker held, by its
 events; `pdserve_proxy_prefix_query_blocks{role}` the prompt's full blocks.
 """
@@ -73,6 +76,12 @@ class KVRouter:
     async def prompt_tokens(self, req: ProxyRequest) -> list[int] | None:
         """The prompt's token ids when some pool routes by cache; None otherwise."""
         if not self.cfg.kv_routing or req.is_batch or not self._has_events(req):
+            return None
+        if req.body.get("cache_salt") is not None:
+            # NOTE: the stages after this one know a prompt by its tokens alone, not its salt
+            # (the indexes root salted chains apart: kv_index.py); routed as a prompt nobody
+            # holds, it never claims another salt's blocks nor asks D to lend them
+            self.metrics.kv_fallbacks.labels("cache_salt").inc()
             return None
         prompt = req.body.get("prompt")
         if not req.is_chat and isinstance(prompt, list) and all(type(t) is int for t in prompt):
