@@ -7,10 +7,11 @@
 - `POST /internal/kv/reserve` `{"num_tokens"}` (or `{"completion": body}` / `{"chat": body}`, a
   client's request that this worker tokenizes): a decode worker reserves blocks for a push and
   answers the `push_to` target a prefill worker writes into.
-- `POST /internal/kv/lease` `{"token_ids"}`: a decode worker holds the leading blocks of a
-  prompt that it has cached, for a prefill worker to read instead of computing them (the
-  reverse pull); answers their `kv_transfer_params` and how many tokens they hold (0 and null:
-  none are cached). The lease ends like a prefill lease (`/internal/kv/release` included).
+- `POST /internal/kv/lease` `{"token_ids", "cache_salt"?}`: a decode worker holds the leading
+  blocks of a prompt that it has cached (under that salt, as the request's own lookup would),
+  for a prefill worker to read instead of computing them (the reverse pull); answers their
+  `kv_transfer_params` and how many tokens they hold (0 and null: none are cached). The lease
+  ends like a prefill lease (`/internal/kv/release` included).
 - `GET /internal/kv-events`: where a router subscribes to this worker's KV events
   (`--kv-events-endpoint`): connectable endpoints, topic, block size and engine id; the
   endpoint is null when events are off (proxy/kv_events.py subscribes).
@@ -36,7 +37,12 @@ from common.api.errors import (
     UnavailableError,
 )
 from common.api.http import json_body_openapi, read_json_body
-from common.api.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from common.api.protocol import (
+    MAX_CACHE_SALT_CHARS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_request,
+)
 from common.api.server_config import TOKEN_HEADER
 from common.api.state import ServerState
 from common.credentials import is_same_secret
@@ -62,6 +68,7 @@ class ReserveRequest(BaseModel):
 
 class LeaseRequest(BaseModel):
     token_ids: list[int] = Field(min_length=2)  # a prompt: at least one token is computed
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
 
 def check_internal_token(state: ServerState, request: Request) -> None:
@@ -157,7 +164,7 @@ def install_internal_routes(app: FastAPI, state: ServerState) -> None:
         check_internal_token(state, request)
         body = _parse(ReserveRequest, await read_json_body(request, state.cfg.max_body_bytes))
         engine, connector = _connector(state)
-        num_tokens, token_ids = await state.run_blocking(_prompt_tokens, engine.engine, body)
+        num_tokens, token_ids, salt = await state.run_blocking(_prompt_tokens, engine.engine, body)
         if num_tokens >= engine.engine.max_model_len:  # never admitted: no use holding blocks
             raise InvalidRequestError(
                 f"a prompt of {num_tokens} tokens leaves no room in max_model_len "
@@ -166,7 +173,7 @@ def install_internal_routes(app: FastAPI, state: ServerState) -> None:
             )
         try:
             reserve = engine.engine.reserve_push
-            res = await asyncio.wrap_future(engine.call(reserve, num_tokens, token_ids))
+            res = await asyncio.wrap_future(engine.call(reserve, num_tokens, token_ids, salt))
         except NoFreeBlocksError as e:
             raise UnavailableError(
                 f"no KV blocks to reserve: {e}", headers={"Retry-After": "1"}
@@ -193,18 +200,20 @@ def install_internal_routes(app: FastAPI, state: ServerState) -> None:
                 f"{engine.engine.max_model_len}",
                 param="token_ids",
             )
-        params = await asyncio.wrap_future(engine.call(engine.engine.lease_prefix, body.token_ids))
+        _check_token_ids(body.token_ids, engine.engine.arch.vocab_size, "token_ids")
+        lease = engine.engine.lease_prefix
+        params = await asyncio.wrap_future(engine.call(lease, body.token_ids, body.cache_salt))
         block_size = engine.engine.config.cache.block_size
         num_tokens = len(params["remote_block_ids"]) * block_size if params else 0
         return {"kv_transfer_params": params, "num_tokens": num_tokens}
 
 
-def _prompt_tokens(llm, body: ReserveRequest) -> tuple[int, list[int] | None]:
-    """The prompt's length in tokens and its token ids (None when only the length is given);
-    400 for a bad body. Blocking (tokenizes, renders chat templates): the route runs it in the
-    tokenize pool."""
+def _prompt_tokens(llm, body: ReserveRequest) -> tuple[int, list[int] | None, str | None]:
+    """The prompt's length in tokens, its token ids (None when only the length is given) and
+    its `cache_salt`; 400 for a bad body. Blocking (tokenizes, renders chat templates): the route
+    runs it in the tokenize pool."""
     if body.num_tokens is not None:
-        return body.num_tokens, None
+        return body.num_tokens, None, None
     if body.completion is not None:
         req = parse_request(CompletionRequest, body.completion)
         if len(req.prompts) != 1:
@@ -217,7 +226,15 @@ def _prompt_tokens(llm, body: ReserveRequest) -> tuple[int, list[int] | None]:
         ids = llm.tokenizer.encode(text, add_special_tokens=False)
     else:
         raise InvalidRequestError("give num_tokens, completion or chat", param="num_tokens")
-    return len(ids), ids
+    _check_token_ids(ids, llm.arch.vocab_size, "completion.prompt")
+    return len(ids), ids, req.cache_salt
+
+
+def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    """400 for a token id the model has not (the prefix cache keys them as int32).
+    NOTE: serving.check_token_ids's twin; serving imports this module."""
+    if not all(0 <= t < vocab_size for t in ids):
+        raise InvalidRequestError(f"token ids must be in [0, {vocab_size})", param=param)
 
 
 def _parse(model, body: dict):

@@ -74,6 +74,8 @@ if TYPE_CHECKING:  # the proxy imports these models without torch or tokenizers
     from common.tokenizer import Tokenizer
 
 MAX_LOGPROBS = 20
+# vLLM sets no limit; 43 characters of base64 hold the 256 random bits its docs ask for
+MAX_CACHE_SALT_CHARS = 1024
 # on the answer to a request with `resume`: the worker continued it (one that ignores the field
 # would start the answer again, and the proxy must not pass that on)
 RESUMED_HEADER = "x-pdserve-resumed"
@@ -237,6 +239,19 @@ class _GenerationRequest(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: the prefix cache is shared only between requests with the same salt (or none)
+    cache_salt: str | None = None
+
+    @field_validator("cache_salt", mode="before")
+    @classmethod
+    def _check_cache_salt(cls, salt: Any) -> Any:
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise _invalid("Parameter 'cache_salt' must be a non-empty string if provided.")
+        if salt is not None and len(salt) > MAX_CACHE_SALT_CHARS:
+            raise _invalid(
+                f"cache_salt is {len(salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}"
+            )
+        return salt
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> _GenerationRequest:
@@ -304,6 +319,7 @@ class _GenerationRequest(_Request):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
                 structured=structured,
+                cache_salt=self.cache_salt,
             )
         except ValueError as e:
             field, _, rest = str(e).partition(" ")

@@ -64,6 +64,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured: StructuredOutputs | None = None  # the output follows this grammar
+    # its prefix-cache blocks are shared only with requests of the same salt (none: all others
+    # without one); not a sampling parameter, but it goes wherever they go
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -101,6 +104,8 @@ class SamplingParams:
         _check(
             self.stop, "stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"
         )
+        salt = self.cache_salt
+        _check(salt, "cache_salt", salt is None or (isinstance(salt, str) and salt), "non-empty")
 
     @property
     def is_greedy(self) -> bool:
