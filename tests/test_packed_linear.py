@@ -8,6 +8,7 @@ thread count; without the kernel (or for a shape it does not pack) oneDNN runs."
 from __future__ import annotations
 
 import os
+import shutil
 from functools import cache
 from pathlib import Path
 
@@ -44,7 +45,10 @@ def march(request) -> str:
     if missing:
         pytest.skip(f"this CPU lacks {sorted(missing)}: the {request.param} build cannot run")
     if pl._library(request.param) is None:
-        pytest.skip(f"the {request.param} build of skinny_gemm.c did not build (no compiler?)")
+        compiler = shutil.which(os.environ.get("CC", "gcc"))
+        if compiler is not None:  # a compiler that cannot build the kernel: a broken build
+            pytest.fail(f"{compiler} did not build the {request.param} skinny_gemm.c (see the log)")
+        pytest.skip(f"no C compiler (CC or gcc): the {request.param} build of skinny_gemm.c")
     return request.param
 
 
