@@ -116,8 +116,18 @@ def alone(twins, prompt: list[int]) -> list[int]:
 def without_reverse_pull(twins, prompt: list[int]) -> list[int]:
     """Turn 2 through today's P/D: P computes the whole prompt, D reads what it lacks."""
     p, d = twins
-    tokens, out = run(d, prompt, sampling("greedy"), prefill_with(p, prompt, None), rid="pd")
+    return decode_from(d, prompt, prefill_with(p, prompt, None), rid="pd")
+
+
+def decode_from(
+    d: LLMEngine, prompt: list[int], params: dict, mode: str = "pull", rid: str = "d"
+) -> list[int]:
+    """D's greedy answer from the KV P's `params` name: D must load it (`mode`: a pull, or P's
+    push), not compute it."""
+    before = loaded(d, mode)
+    tokens, out = run(d, prompt, sampling("greedy"), params, rid=rid)
     assert out["error"] is None
+    assert loaded(d, mode) == before + 1, f"D computed the prompt instead of loading ({mode})"
     return tokens
 
 
@@ -137,8 +147,7 @@ def test_p_reads_the_prefix_d_holds_and_the_answer_equals_a_worker_alone(pd, twi
     assert after.num_bytes_loaded - before.num_bytes_loaded == 4 * block_bytes
     assert after.recomputed == before.recomputed
     # D then reads from P only the blocks it lacks, and decodes what a worker alone would
-    tokens, out = run(d, prompt, sampling("greedy"), params)
-    assert out["error"] is None and tokens == expected
+    assert decode_from(d, prompt, params) == expected
     settle(p, d, *twins)  # D's lease ended with P's read: every block back in both pools
 
 
@@ -151,8 +160,7 @@ def test_a_prefix_p_cannot_read_is_computed_there_under_either_policy(pd, twins)
     p.connector.faults.num_failed_reads = 1
     params = prefill_with(p, prompt, lent)
     assert recomputed(p, "read_failed") == before + 1
-    tokens, out = run(d, prompt, sampling("greedy"), params)
-    assert out["error"] is None and tokens == expected
+    assert decode_from(d, prompt, params) == expected
     settle(p, d, *twins)  # the failed read still gave D's lease back
 
 
@@ -171,8 +179,7 @@ def test_a_prefix_that_does_not_check_out_is_never_used(pd, twins):
     assert after.recomputed.get("checksum_mismatch", 0) == (
         before.recomputed.get("checksum_mismatch", 0) + 1
     )
-    tokens, out = run(d, prompt, sampling("greedy"), params)
-    assert out["error"] is None and tokens == expected
+    assert decode_from(d, prompt, params) == expected
     settle(p, d, *twins)
 
 
@@ -191,8 +198,7 @@ def test_a_lent_prefix_that_covers_the_whole_prompt_is_refused(pd, twins):
         before.recomputed.get("remote_blocks_mismatch", 0) + 1
     )
     assert after.num_bytes_loaded == before.num_bytes_loaded  # nothing was read
-    tokens, out = run(d, prompt, sampling("greedy"), params)
-    assert out["error"] is None and tokens == expected
+    assert decode_from(d, prompt, params) == expected
     settle(p, d, *twins)
 
 
@@ -235,10 +241,8 @@ def test_in_push_mode_p_writes_only_the_blocks_d_lacks(pd, twins, lend):
     block_bytes = sum(c[:, 0].numel() * c.element_size() for c in p.kv_caches)
     assert after_p.num_bytes_pushed - before_p.num_bytes_pushed == 2 * block_bytes
     assert params["push_reservation_id"] and len(params["kv_checksums"][0]) == 2
-    tokens, out = run(d, prompt, sampling("greedy"), params)
-    assert out["error"] is None and tokens == expected
+    assert decode_from(d, prompt, params, mode="push") == expected
     after_d = d.connector.stats_snapshot()
-    assert loaded(d, "push") == before_d.loaded_requests.get("push", 0) + 1
     assert after_d.num_checksum_failures == before_d.num_checksum_failures
     settle(p, d, *twins)
 
