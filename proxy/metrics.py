@@ -17,9 +17,11 @@ and `pdserve_proxy_prefix_query_blocks{role}` (the prompts' full blocks),
 `error_event`, `ejected`, `drain`, `truncated`), `pdserve_proxy_migrations_refused_total{reason}`
 (`limit`, `no_decode`, `untracked`, `rejected`, `unsupported`: a worker that does not
 say it continued) and
-`pdserve_proxy_migration_recomputed_tokens_total`. Session affinity (proxy/sessions.py):
-`pdserve_proxy_session_routed_total{role, outcome}` (`kept`, `hashed`, `moved_load`,
-`moved_gone`), the requests with an X-Session-ID. Each worker as this process sees it:
+`pdserve_proxy_migration_recomputed_tokens_total`. Whose fault a worker's error was:
+`pdserve_proxy_upstream_faults_total{role, fault}` (`request`: a 4xx status or error event,
+passed on and never retried or moved; `worker`: anything else). Session affinity
+(proxy/sessions.py): `pdserve_proxy_session_routed_total{role, outcome}` (`kept`, `hashed`,
+`moved_load`, `moved_gone`), the requests with an X-Session-ID. Each worker as this process sees it:
 `pdserve_proxy_worker_healthy{role, url}` (1 or 0) and `pdserve_proxy_worker_ejections_total{role,
 url}` (healthy to unhealthy, by health checks or a failed request). The reasons and roles above
 that are known in advance start at 0, so that a rate over them reads 0 rather than nothing.
@@ -39,6 +41,7 @@ ADMISSION_REASONS = ("rate_limited", "queue_full", "queue_timeout")
 MIGRATION_REASONS = ("connection", "timeout", "error_event", "ejected", "drain", "truncated")
 REFUSAL_REASONS = ("limit", "no_decode", "untracked", "rejected", "unsupported")
 UPSTREAM_ERROR_KINDS = ("connect", "timeout", "transport", "ejected")  # and http_{status}
+FAULTS = ("request", "worker")
 SESSION_OUTCOMES = ("kept", "hashed", "moved_load", "moved_gone")
 
 
@@ -88,6 +91,13 @@ class ProxyMetrics:
             "pdserve_proxy_upstream_errors",
             "Failed calls to workers",
             ["role", "kind"],
+            registry=r,
+        )
+        self.upstream_faults = Counter(
+            "pdserve_proxy_upstream_faults",
+            "Failed calls to workers and error events in their streams, by whose fault: request "
+            "(a 4xx: passed on, final) or worker (retried or moved)",
+            ["role", "fault"],
             registry=r,
         )
         self.retries = Counter(
@@ -144,6 +154,8 @@ class ProxyMetrics:
                 self.session_routed.labels(role, outcome)
             for kind in UPSTREAM_ERROR_KINDS:
                 self.upstream_errors.labels(role, kind)
+            for fault in FAULTS:
+                self.upstream_faults.labels(role, fault)
 
     def _add_migration_metrics(self, r: CollectorRegistry) -> None:
         self.migrations = Counter(

@@ -7,7 +7,8 @@ another D, and the client sees one uninterrupted stream (docs/design.md, "Migrat
   `created` (a continuation's events are rewritten to the first ones); the chat role (sent once
   per choice).
 - **When a D fails.** A connection error or reset, silence past `--decode-timeout`, an error
-  event with a 5xx (a worker drained with `--drain-migrate` sends one), a stream that ends
+  event that is the worker's fault (a 5xx `status`, or an older worker's untyped event; one
+  drained with `--drain-migrate` sends `worker_draining`), a stream that ends
   without `[DONE]` before its choices did, an ejection by the health checks, or
   `POST /admin/workers/drain` with `migrate` (both through `InFlight.cut`). Each unfinished
   choice then goes to another D as its own request (n = 1) with `resume`: the choice's index,
@@ -20,6 +21,8 @@ another D, and the client sees one uninterrupted stream (docs/design.md, "Migrat
 - **Refusals.** No other D, `--migration-limit` reached, a request whose tokens are not known
   (a D that sent no token ids, a batch of prompts): the stream ends with today's error event,
   never with an answer that claims success.
+- **The request's fault is final.** An error event with a 4xx `status` (its output left its
+  grammar, a limit) goes to the client as D wrote it and ends the stream: nothing moves.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import TYPE_CHECKING
 import httpx
 import msgspec
 
-from common.api.errors import APIError, UnavailableError
+from common.api.errors import APIError, UnavailableError, fault_of
 from common.api.protocol import RESUMED_HEADER
 from proxy.request import COMPLETIONS_PATH, ProxyRequest
 from proxy.sse import DONE, error_event, event
@@ -276,7 +279,7 @@ class MigratingRelay:
                             start_metric()
                             start_metric = None
                         yield out
-                    if failure == "client_error":
+                    if failure == "request_fault":
                         finished = True
                         yield DONE
                         return
@@ -297,7 +300,7 @@ class MigratingRelay:
                     self.orch.metrics.stream_errors.inc()
                     finished = True
                     # D's own error event where it sent one (its message says what failed)
-                    yield self.error or error_event(e.message)
+                    yield self.error or error_event(e.message, code="decode_failed")
                     return
             if self.client.wants_usage and not self.client.usage_sent:
                 usage = self.client.usage_event()  # after a migration, or a D gone before it
@@ -368,7 +371,8 @@ class MigratingRelay:
 
     def _event(self, raw: bytes) -> tuple[bytes | None, str | None]:
         """What to send the client for one of D's events, and why D failed (None: it did not;
-        "client_error": the request's own fault, sent and final)."""
+        "request_fault": an error the request caused, sent and final: another D would end it
+        the same way, after the work of a move)."""
         if not raw.startswith(b"data: "):
             return raw + b"\n\n", None
         data = raw[6:]
@@ -381,12 +385,14 @@ class MigratingRelay:
             return raw + b"\n\n", None
         error = view.error
         if error is not None:
-            code = error.get("code")
-            if isinstance(code, int) and 400 <= code < 500:
-                return raw + b"\n\n", "client_error"
+            fault = fault_of(error)
+            self.orch.metrics.upstream_faults.labels("decode", fault).inc()
+            if fault == "request":
+                return raw + b"\n\n", "request_fault"
             logger.warning("decode worker error event: %s", error.get("message"))
             self.error = raw + b"\n\n" + DONE
-            return None, "drain" if error.get("type") == "worker_draining" else "error_event"
+            draining = "worker_draining" in (error.get("type"), error.get("code"))
+            return None, "drain" if draining else "error_event"
         return self.client.accept(data, view), None
 
     def _close(self, up: Upstream, ok: bool = False) -> None:

@@ -12,7 +12,7 @@
   the blocks it holds, and P writes only the rest). A P that fails is ejected
   (connect errors) and the next one is tried; when none is left the request goes to D alone.
   A P that the health checks eject while a prefill waits on it (frozen) fails that prefill at
-  once, retried the same way (inflight.py). P's 4xx is the client's error, returned.
+  once, retried the same way (inflight.py).
 - **Decode.** D gets the client's body plus P's `kv_transfer_params`. Streamed, P's first token
   goes to the client at once and D continues after it. A D that cannot be reached before any of
   its bytes were sent is replaced by another (pull mode); a D that fails mid-stream hands each
@@ -20,6 +20,11 @@
   (proxy/migration.py); a non-streamed request whose D fails runs again on another D, up to
   `--migration-limit` times. Whatever P still holds for a request that will not read it is
   released (leases expire anyway).
+- **Whose fault.** A worker's 4xx, before a stream or as an error event in one, is the
+  request's own fault: returned (or passed on in the stream) as the worker wrote it, never
+  retried on another worker nor moved; only the worker's faults (a 5xx, a reset, a timeout, an
+  ejection) are retried or moved. `pdserve_proxy_upstream_faults_total{role, fault}` counts
+  each.
 """
 
 from __future__ import annotations
@@ -44,8 +49,15 @@ from proxy.migration import ClientStream, MigratingRelay, Upstream
 from proxy.policies import create_policy
 from proxy.request import ProxyRequest
 from proxy.sessions import SessionAffinity
-from proxy.sse import EventStreamResponse, error_event, first_token_events
-from proxy.upstream import UpstreamError, WorkerEjected, error_message, open_stream, post_json
+from proxy.sse import EventStreamResponse, error_event, first_token_events, passed_on_event
+from proxy.upstream import (
+    UpstreamError,
+    WorkerEjected,
+    error_message,
+    error_object,
+    open_stream,
+    post_json,
+)
 from proxy.workers import FailedWorkers, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -447,13 +459,17 @@ class Orchestrator:
         except UpstreamError as e:
             self.give_back(prefilled)
             self.metrics.stream_errors.inc()
-            yield error_event(error_message(e.body) or e.message, e.status or 502)
+            error = error_object(e.body)
+            if error is not None and e.status is not None:  # D's own error, its fault said
+                yield passed_on_event(error, e.status)
+            else:
+                yield error_event(e.message, e.status or 502)
             return
         except Exception:  # noqa: BLE001 — a bug: the stream still ends clearly
             logger.exception("reaching decode worker %s failed", decode.url)
             self.give_back(prefilled)
             self.metrics.stream_errors.inc()
-            yield error_event("internal error in the proxy", 500)
+            yield error_event("internal error in the proxy", 500, code="internal_error")
             return
         except BaseException:  # the client went away while D was being reached
             self.give_back(prefilled)
@@ -480,6 +496,7 @@ class Orchestrator:
     # -- failures and clean-up -------------------------------------------------------------------
     def failed(self, e: UpstreamError) -> None:
         self.metrics.upstream_errors.labels(e.worker.role, e.kind).inc()
+        self.metrics.upstream_faults.labels(e.worker.role, e.fault).inc()
         if e.is_connect:
             logger.warning("ejecting %s worker %s: %s", e.worker.role, e.worker.url, e.message)
             e.worker.eject(e.message)
@@ -528,7 +545,7 @@ def upstream_error_response(e: UpstreamError) -> Response:
     if e.is_connect:
         err: APIError = UnavailableError(f"no worker could take the request: {e.message}")
     else:
-        err = ServerError(f"upstream failure: {e.message}")
+        err = ServerError(f"upstream failure: {e.message}", code="upstream_failed")
         err.status_code = 504 if e.kind == "timeout" else 502
     return Response(
         err.to_response().model_dump_json(),
@@ -542,7 +559,7 @@ def _migration_reason(e: UpstreamError) -> str | None:
     (a 4xx) and for a D never reached (already retried on another, proxy/orchestrator.py)."""
     if isinstance(e, WorkerEjected):
         return "drain" if e.reason == "drain" else "ejected"
-    if e.is_client_error or e.is_connect or e.status in (401, 403):
+    if e.is_client_error or e.is_connect:
         return None
     if e.kind == "timeout":
         return "timeout"

@@ -12,6 +12,8 @@ from collections.abc import AsyncGenerator
 
 from starlette.responses import Response
 
+from common.api.errors import StreamError, StreamErrorInfo
+
 DONE = b"data: [DONE]\n\n"
 
 
@@ -19,10 +21,21 @@ def event(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-def error_event(message: str, status: int = 502, error_type: str = "server_error") -> bytes:
-    """OpenAI's error shape inside a stream (the `openai` client raises it as an APIError)."""
-    error = {"message": message, "type": error_type, "param": None, "code": status}
-    return event({"error": error}) + DONE
+def error_event(
+    message: str, status: int = 502, error_type: str = "server_error", code: str = "upstream_failed"
+) -> bytes:
+    """The proxy's own error inside a stream, in the workers' shape (common/api/errors.py: the
+    `openai` client raises it as an APIError): `code` a stable name, `status` the HTTP status
+    it would have had."""
+    info = StreamErrorInfo(message=message, type=error_type, code=code, status=status)
+    return event(StreamError(error=info).model_dump()) + DONE
+
+
+def passed_on_event(error: dict, status: int) -> bytes:
+    """A worker's error answer (`error`, the "error" of its body; `status`, its HTTP status) as
+    the event that ends a stream the proxy had already begun: as the worker wrote it, with the
+    status it had."""
+    return event({"error": {**error, "status": status}}) + DONE
 
 
 def first_token_events(is_chat: bool, request_id: str, answer: dict, body: dict) -> bytes:

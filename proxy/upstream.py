@@ -1,9 +1,10 @@
 """Calls from the proxy to one worker, each with its own timeout, and how they fail.
 
 Every failure is an `UpstreamError`: `status`/`body` when the worker answered with an error
-(passed to the client as is when it is the client's fault), `is_connect` when the worker was
-never reached (nothing was sent, so any retry is safe and the worker is ejected);
-`WorkerEjected` when health checks ejected the worker while the call waited on it.
+(a 4xx is the request's fault: passed to the client as the worker wrote it, never retried),
+`is_connect` when the worker was never reached (nothing was sent, so any retry is safe and the
+worker is ejected); `WorkerEjected` when health checks ejected the worker while the call waited
+on it. `fault` says whose it is, for the proxy's counts.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from contextlib import contextmanager
 import httpx
 from httpx import AsyncBaseTransport
 
+from common.api.errors import Fault, is_request_fault
 from proxy.transport import LeanTransport
 from proxy.workers import Worker
 
@@ -38,19 +40,16 @@ class UpstreamError(Exception):
 
     @property
     def is_client_error(self) -> bool:
-        """The request itself is wrong: another worker would refuse it too. (A 401 or 403 is the
-        proxy's own: its --internal-token does not match the workers'.)"""
-        return (
-            self.status is not None
-            and 400 <= self.status < 500
-            and self.status
-            not in (
-                401,
-                403,
-                408,
-                429,
-            )
-        )
+        """A 4xx: the request's own fault, passed on and never retried on another worker (which
+        would refuse it too, or be asked to do the same work again). A 429 or 408 is passed on
+        with it (the proxy's own admission is where load waits), and so is a 401 or 403, which
+        says that the proxy's --internal-token does not match the worker's: a misconfigured
+        cluster shows at once instead of on some requests."""
+        return self.status is not None and is_request_fault(self.status)
+
+    @property
+    def fault(self) -> Fault:
+        return "request" if self.is_client_error else "worker"
 
     @property
     def kind(self) -> str:
@@ -158,12 +157,19 @@ async def open_stream(
     return await _send(worker, path, content, headers, timeout)
 
 
-def error_message(body: bytes | None) -> str | None:
-    """The message of an OpenAI-shaped error body, if it is one."""
+def error_object(body: bytes | None) -> dict | None:
+    """The "error" of an OpenAI-shaped error body, if it is one."""
     try:
-        return json.loads(body)["error"]["message"]
+        error = json.loads(body)["error"]
     except (TypeError, ValueError, KeyError):
         return None
+    return error if isinstance(error, dict) and isinstance(error.get("message"), str) else None
+
+
+def error_message(body: bytes | None) -> str | None:
+    """The message of an OpenAI-shaped error body, if it is one."""
+    error = error_object(body)
+    return None if error is None else error["message"]
 
 
 def _dumps(payload: dict) -> bytes:

@@ -76,7 +76,8 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error(cluster):
     assert time.monotonic() - started < 30
     assert events[-1] == "data: [DONE]"
     error = json.loads(events[-2].removeprefix("data: "))["error"]
-    assert "decode worker failed" in error["message"] and error["code"] == 502
+    assert "decode worker failed" in error["message"] and error["status"] == 502
+    assert error["code"] == "decode_failed" and error["type"] == "server_error"
     assert wait_until(lambda: proxy.metric("pdserve_proxy_stream_errors_total") == 1)
     refused = 'pdserve_proxy_migrations_refused_total{reason="limit"}'
     assert proxy.metric(refused) == 1

@@ -25,6 +25,7 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None) -> di
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert isinstance(err["code"], str) and err["code"], err  # a stable name for machines
     if param is not None:
         assert err["param"] == param, err
     return err
@@ -226,7 +227,8 @@ def test_sigterm_with_drain_migrate_ends_generations_at_once(start_server, tiny_
             "message": "the worker is draining: this generation moves elsewhere",
             "type": "worker_draining",
             "param": None,
-            "code": 503,
+            "code": "worker_draining",
+            "status": 503,  # a worker's fault: the proxy moves it
         }
     }
     assert len(rest) < 400  # ended, not run to max_tokens
