@@ -21,9 +21,10 @@
   `--migration-limit` times. Whatever P still holds for a request that will not read it is
   released (leases expire anyway).
 - **Whose fault.** A worker's 4xx, before a stream or as an error event in one, is the
-  request's own fault: returned (or passed on in the stream) as the worker wrote it, never
-  retried on another worker nor moved; only the worker's faults (a 5xx, a reset, a timeout, an
-  ejection) are retried or moved. `pdserve_proxy_upstream_faults_total{role, fault}` counts
+  request's own fault (but a 401, 403, 408 or 429, which speak of the worker): returned (or
+  passed on in the stream) as the worker wrote it, never retried on another worker nor moved;
+  only the worker's faults (a 5xx, a reset, a timeout, an ejection, and those four) are retried
+  or moved. `pdserve_proxy_upstream_faults_total{role, fault}` counts
   each.
 """
 
@@ -559,7 +560,7 @@ def _migration_reason(e: UpstreamError) -> str | None:
     (a 4xx) and for a D never reached (already retried on another, proxy/orchestrator.py)."""
     if isinstance(e, WorkerEjected):
         return "drain" if e.reason == "drain" else "ejected"
-    if e.is_client_error or e.is_connect:
+    if e.is_client_error or e.is_connect or e.status in (401, 403):
         return None
     if e.kind == "timeout":
         return "timeout"

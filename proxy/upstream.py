@@ -1,7 +1,7 @@
 """Calls from the proxy to one worker, each with its own timeout, and how they fail.
 
 Every failure is an `UpstreamError`: `status`/`body` when the worker answered with an error
-(a 4xx is the request's fault: passed to the client as the worker wrote it, never retried),
+(a 4xx of the request's fault: passed to the client as the worker wrote it, never retried),
 `is_connect` when the worker was never reached (nothing was sent, so any retry is safe and the
 worker is ejected); `WorkerEjected` when health checks ejected the worker while the call waited
 on it. `fault` says whose it is, for the proxy's counts.
@@ -40,11 +40,10 @@ class UpstreamError(Exception):
 
     @property
     def is_client_error(self) -> bool:
-        """A 4xx: the request's own fault, passed on and never retried on another worker (which
-        would refuse it too, or be asked to do the same work again). A 429 or 408 is passed on
-        with it (the proxy's own admission is where load waits), and so is a 401 or 403, which
-        says that the proxy's --internal-token does not match the worker's: a misconfigured
-        cluster shows at once instead of on some requests."""
+        """A 4xx of the request's own fault, passed on and never retried on another worker
+        (which would refuse it too, or be asked to do the same work again). A 401 or 403 (the
+        proxy's --internal-token does not match the worker's), 408 or 429 (the worker is busy)
+        speak of the worker: retried, or served by D alone, as any worker fault."""
         return self.status is not None and is_request_fault(self.status)
 
     @property

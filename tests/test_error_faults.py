@@ -1,6 +1,7 @@
 """Whose fault an error is, in-process: the typed error a worker writes (OpenAI's shape, a string
 `code`, and in a stream the `status` it would have had), how the proxy reads it (a 4xx is the
-request's: final; anything else the worker's, and an older worker's untyped event too), and the
+request's: final, but for a token mismatch, a full or timed-out worker; anything else the
+worker's, and an older worker's untyped event too), and the
 same rule for a worker's answer with an error status. tests/test_migration.py proves the wiring
 through real processes."""
 
@@ -50,7 +51,8 @@ def test_every_error_has_a_string_code_and_in_a_stream_its_status(error: APIErro
     assert isinstance(body["code"], str) and body["code"]
     event = error.to_event().model_dump()["error"]
     assert event == {**body, "status": int(error.status_code)}
-    assert fault_of(event) == ("request" if error.status_code < 500 else "worker")
+    is_workers = error.status_code >= 500 or error.status_code in (401, 403, 408, 429)
+    assert fault_of(event) == ("worker" if is_workers else "request")
 
 
 def test_a_raise_names_a_finer_code_and_a_class_without_one_gives_its_type():
@@ -68,7 +70,12 @@ def test_a_raise_names_a_finer_code_and_a_class_without_one_gives_its_type():
     "error, fault",
     [
         ({"message": "m", "type": "invalid_request_error", "code": "x", "status": 400}, "request"),
-        ({"message": "m", "type": "rate_limit_error", "code": "x", "status": 429}, "request"),
+        ({"message": "m", "type": "invalid_request_error", "code": "x", "status": 422},
+         "request"),
+        # a worker full (429) or one that refuses the proxy's token (401): the worker's
+        ({"message": "m", "type": "rate_limit_error", "code": "x", "status": 429}, "worker"),
+        ({"message": "m", "type": "authentication_error", "code": "x", "status": 401},
+         "worker"),
         ({"message": "m", "type": "server_error", "code": "x", "status": 500}, "worker"),
         ({"message": "m", "type": "worker_draining", "code": "worker_draining", "status": 503},
          "worker"),
@@ -86,13 +93,14 @@ def test_fault_of_an_error_event(error, fault):
     assert fault_of(error) == fault
 
 
-@pytest.mark.parametrize("status", [400, 401, 403, 404, 408, 413, 422, 429])
+@pytest.mark.parametrize("status", [400, 404, 413, 422])
 def test_a_workers_4xx_answer_is_the_requests_fault(status):
     e = UpstreamError(WORKER, "refused", status, b"{}")
     assert e.is_client_error and e.fault == "request"
 
 
-@pytest.mark.parametrize("status", [500, 502, 503, 504, None])
+# a token mismatch (401, 403), a full worker (429) or its timeout (408): another may serve it
+@pytest.mark.parametrize("status", [401, 403, 408, 429, 500, 502, 503, 504, None])
 def test_a_workers_5xx_or_no_answer_is_the_workers_fault(status):
     e = UpstreamError(WORKER, "failed", status)
     assert not e.is_client_error and e.fault == "worker"

@@ -9,11 +9,13 @@ is written once, there, and `--help` shows it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import os
 import re
 import socket
 
+from common.api.limits import add_limit_flags, limits_from
 from common.api.server_config import ServerConfig
 from common.config import (
     PREFILL_CPU_STEP_TOKENS,
@@ -21,6 +23,7 @@ from common.config import (
     CacheConfig,
     CurveServerKeys,
     EngineConfig,
+    GrammarConfig,
     KVEventsConfig,
     ModelConfig,
     ParallelConfig,
@@ -32,6 +35,7 @@ from common.config import (
 from common.cpu import CpuBudget, parse_cpu_list
 from common.credentials import pick_secret
 from common.kv_cache import curve_keys
+from common.kv_cache.event_publisher import open_addresses
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
@@ -93,7 +97,9 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     )
     _add_model_args(p, role)
     _add_scheduler_args(p)
+    _add_grammar_args(p)
     _add_server_args(p, role)
+    add_limit_flags(p)
     _add_kv_transfer_args(p)
     _add_kv_events_args(p)
     _add_cpu_budget(p)
@@ -222,6 +228,20 @@ def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
         "(still being parsed and tokenized) before its next step, so that requests arriving "
         "together start as one batch; 0 turns it off (default %(default)s)",
     )
+
+
+def _add_grammar_args(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group(
+        "grammar cost", "what one structured output may cost (docs/security.md, Grammar cost)"
+    )
+    for f in dataclasses.fields(GrammarConfig):
+        help = f"the most {f.metadata['help']} (default {f.default})"
+        flag = f.metadata["flag"]
+        group.add_argument(flag, dest=f.name, type=int, default=f.default, metavar="N", help=help)
+
+
+def grammar_config(a: argparse.Namespace) -> GrammarConfig:
+    return GrammarConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(GrammarConfig)})
 
 
 def _add_server_args(p: argparse.ArgumentParser, role: str) -> None:
@@ -379,6 +399,12 @@ def _add_kv_events_args(p: argparse.ArgumentParser) -> None:
         "authentication is set by environment: PDSERVE_KV_EVENTS_SERVER_SECRET_KEY and "
         "PDSERVE_KV_EVENTS_CLIENT_KEYS (or their _FILE twins; docs/security.md)",
     )
+    add(
+        "--kv-events-require-curve",
+        action="store_true",
+        help="refuse to start when a KV events socket would be bound on TCP without CURVE keys "
+        "(without this flag the worker starts and warns; compose and Kubernetes set it)",
+    )
 
 
 def kv_events_curve(environ: dict[str, str] | None = None) -> CurveServerKeys | None:
@@ -464,6 +490,7 @@ def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, 
                 max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=step_tokens,
             ),
+            grammar=grammar_config(a),
             parallel=ParallelConfig(
                 tensor_parallel_size=a.tensor_parallel_size, pin_ranks=a.cpu_cores is not None
             ),
@@ -492,7 +519,19 @@ def parse_args(role: str, argv: list[str] | None = None) -> tuple[EngineConfig, 
             otlp_traces_endpoint=a.otlp_traces_endpoint,
             log_level=a.log_level,
             cpu=CpuBudget(cores=a.cpu_cores, num_threads=a.cpu_threads),
+            limits=limits_from(vars(a)),
         )
+        if a.kv_events_require_curve:
+            _require_curve(engine.kv_events)
     except ValueError as e:
         parser.error(str(e))
     return engine, server
+
+
+def _require_curve(cfg: KVEventsConfig) -> None:
+    if unauthenticated := open_addresses(cfg):
+        raise ValueError(
+            f"--kv-events-require-curve: {' and '.join(unauthenticated)} would be bound without "
+            f"CURVE keys; set {curve_keys.SERVER_SECRET_KEY} and {curve_keys.CLIENT_KEYS} (or "
+            "their _FILE twins; docs/security.md)"
+        )

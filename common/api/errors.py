@@ -45,9 +45,16 @@ class StreamError(BaseModel):
     error: StreamErrorInfo
 
 
+# 4xx statuses that speak of the worker or the cluster, not of the request: the proxy's
+# --internal-token does not match the worker's (401, 403), the worker is full (429) or timed out
+# waiting (408). Another worker may well take the request.
+_WORKER_STATUSES = frozenset({401, 403, 408, 429})
+
+
 def is_request_fault(status: int) -> bool:
-    """A 4xx: the request's own fault, final (another worker would answer the same)."""
-    return 400 <= status < 500
+    """A 4xx but those of `_WORKER_STATUSES`: the request's own fault, final (another worker
+    would answer the same)."""
+    return 400 <= status < 500 and status not in _WORKER_STATUSES
 
 
 def fault_of(error: object) -> Fault:

@@ -11,6 +11,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from concurrent.futures import Future
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ from common.engine.engine import LLMEngine
 from common.engine.output import RequestOutput, decoded_text
 from common.engine.request import Resume
 from common.engine.sampling_params import SamplingParams
+from common.engine.structured import GrammarError
 from common.tracing import NO_TRACE, NoTrace, Trace
 
 
@@ -222,7 +224,7 @@ async def _one(
             if out.error:
                 job.trace.set(error=out.error)
                 fault = InvalidRequestError if out.error_is_request_fault else ServerError
-                raise fault(out.error)
+                raise fault(out.error, code=out.error_code)
             now = time.perf_counter()
             new = sum(len(c.delta_token_ids) for c in out.outputs)
             if new:
@@ -254,14 +256,15 @@ def sse(payload: str) -> str:
 
 
 def sse_error(error: BaseException) -> str:
-    """An error event inside a stream whose 200 status has already been sent."""
+    """An error event inside a stream whose 200 status has already been sent: typed, with the
+    status it would have had (a 4xx: the request's fault, which the proxy never moves)."""
     if isinstance(error, ValueError):
         error = InvalidRequestError(str(error))
     elif isinstance(error, EngineDeadError):
-        error = UnavailableError(str(error))
+        error = UnavailableError(str(error), code="engine_dead")
     elif not isinstance(error, APIError):
         error = ServerError(f"{type(error).__name__}: {error}")
-    return sse(error.to_response().model_dump_json())
+    return sse(error.to_event().model_dump_json())
 
 
 async def respond(
@@ -308,18 +311,32 @@ async def check_structured(
     state: ServerState, llm: LLMEngine, params: SamplingParams, param: str | None
 ) -> None:
     """A 400 naming `param`, the request's field, for a structured output that cannot compile,
-    before any stream starts (the compiled grammar is cached for the engine)."""
+    hits a grammar limit or does not compile within its budget, and one naming `n` for more
+    choices than a grammar may have; before any stream starts. The grammar compiles on the
+    compiler's own threads (cached for the engine); the event loop waits at most the budget."""
     if params.structured is None:
         return
+    grammars = llm.grammars
     try:
-        await state.run_blocking(llm.grammars.check, params.structured)
-    except ValueError as e:
-        raise InvalidRequestError(str(e), param=param) from e
+        grammars.check_rows(params.n)
+    except GrammarError as e:
+        raise InvalidRequestError(str(e), param="n", code=e.code) from e
+    await _within(grammars.submit(params.structured), grammars.compile_budget)
+    try:
+        grammars.check(params.structured, timeout=0)
+    except GrammarError as e:
+        raise InvalidRequestError(str(e), param=param, code=e.code) from e
 
 
-def validate_params(params: SamplingParams, vocab_size: int, max_n: int = 128) -> None:
-    if params.n > max_n:
-        raise InvalidRequestError(f"n must be at most {max_n}, got {params.n}", param="n")
+async def _within(future: Future, seconds: float) -> None:
+    """Wait at most `seconds` for a thread's `future`, which goes on whatever happens here."""
+    waiter = asyncio.wrap_future(future)
+    waiter.add_done_callback(lambda f: f.cancelled() or f.exception())  # NOTE: read, not logged
+    await asyncio.wait([waiter], timeout=seconds)
+
+
+def validate_params(params: SamplingParams, vocab_size: int) -> None:
+    """The token ids a request names exist (its sizes were bounded at the edge: limits.py)."""
     try:
         params.check_token_ids(vocab_size)
     except ValueError as e:

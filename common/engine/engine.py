@@ -39,6 +39,7 @@ from common.kv_cache.manager import KVCacheManager
 from common.kv_cache.tensors import allocate_kv_caches, num_blocks_for_memory
 from common.kv_transfer import create_connector
 from common.kv_transfer.base import KVConnector
+from common.kv_transfer.handshake import compat_hash, local_compat
 from common.kv_transfer.params import RemotePrefill, wants_remote_prefill
 from common.kv_transfer.remote_prefills import RemotePrefills
 from common.kv_transfer.reservations import Reservation
@@ -111,10 +112,11 @@ class LLMEngine:
         self.pool = BlockPool(self.num_blocks - bool(graph_sizes), cc.enable_prefix_caching)
         eos = tuple(sorted(set(self.arch.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.eos_token_ids = eos
-        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, eos)
+        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, eos, config.grammar)
         self.grammars.warm_up()  # the first request with a grammar does not wait for it
         self.connector = make_connector(config.transfer, cc.block_size, self.pool)
-        kv = KVCacheManager(self.pool, cc.block_size)
+        # the prefix cache's keys cover the model as peers check it before moving KV
+        kv = KVCacheManager(self.pool, cc.block_size, compat_hash(local_compat(config, self.arch)))
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len, eos, self.connector)
         self.runner = ModelRunner(
             self.model,
@@ -129,7 +131,9 @@ class LLMEngine:
             graph_sizes=graph_sizes,
             max_model_len=self.max_model_len,
             pad_block=self.num_blocks - 1,
-            masks=GrammarMasks(self.grammars.vocab_size),
+            masks=GrammarMasks(
+                self.grammars.vocab_size, config.grammar.mask_budget_ms, self.grammars.stats
+            ),
         )
         self.remote = RemotePrefills(
             self.connector, self.scheduler, config.transfer, cc.block_size, self.pool
@@ -178,6 +182,7 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         params.check_token_ids(self.arch.vocab_size)
         if params.structured is not None:
+            self.grammars.check_rows(params.n)
             self.grammars.check(params.structured)
         if resume is not None:
             self.check_resume(token_ids, params, resume)
@@ -220,17 +225,20 @@ class LLMEngine:
             self.outputs.remove(child.request_id)
             self._children.pop(child.request_id, None)
 
-    def reserve_push(self, num_tokens: int, token_ids: list[int] | None = None) -> Reservation:
+    def reserve_push(
+        self, num_tokens: int, token_ids: list[int] | None = None, cache_salt: str | None = None
+    ) -> Reservation:
         """D, push mode: blocks for a prefill worker to write a prompt into, led by the blocks
-        of it this worker has cached (given `token_ids`), which it need not write."""
-        held = self.scheduler.kv.take_cached_prefix(token_ids) if token_ids else []
+        of it this worker has cached (given `token_ids`, under the request's `cache_salt`),
+        which it need not write."""
+        held = self.scheduler.kv.take_cached_prefix(token_ids, cache_salt) if token_ids else []
         return self.connector.reserve(num_tokens, held)
 
-    def lease_prefix(self, token_ids: list[int]) -> dict | None:
+    def lease_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> dict | None:
         """D, the reverse pull: hold the leading blocks of a prompt that this worker has cached
-        for a prefill worker to read; the `kv_transfer_params` it reads them with, or None when
-        none are cached."""
-        blocks = self.scheduler.kv.take_cached_prefix(token_ids)
+        (under the request's `cache_salt`) for a prefill worker to read; the
+        `kv_transfer_params` it reads them with, or None when none are cached."""
+        blocks = self.scheduler.kv.take_cached_prefix(token_ids, cache_salt)
         if not blocks:
             return None
         return self.connector.lease_prefix(f"prefix-{uuid.uuid4().hex}", blocks)
@@ -333,6 +341,7 @@ class LLMEngine:
             failed = next((c for c in children if c.error), None)
             out.error = failed and failed.error
             out.error_is_request_fault = bool(failed and failed.error_is_request_fault)
+            out.grammar_error_code = failed.grammar_error_code if failed else None
             if out.finished:
                 out.times = children[0].times
                 self._forget(parent_id)

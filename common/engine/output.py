@@ -40,7 +40,20 @@ class RequestOutput:
     kv_transfer_params: dict | None = None  # a prefill worker's answer: where the KV is held
     error: str | None = None  # why a request finished with finish_reason "error"
     error_is_request_fault: bool = False  # the error is the request's (a 400), not the server's
+    grammar_error_code: str | None = None  # its grammar's code for it (grammar_too_expensive)
     times: RequestTimes | None = None  # a finished request's instants, for its trace
+
+    @property
+    def error_code(self) -> str | None:
+        """`error` as a stable name (its `code` in OpenAI's shape, common/api/errors.py). The
+        engine ends a request with an error when its output leaves its grammar, the request's
+        own fault (common/engine/structured.py), or when its KV could not be moved or checked,
+        the worker's (common/kv_transfer/remote_prefills.py)."""
+        if self.error is None:
+            return None
+        if self.grammar_error_code is not None:
+            return self.grammar_error_code
+        return "grammar_violation" if self.error_is_request_fault else "kv_transfer_failed"
 
 
 def decoded_text(

@@ -69,7 +69,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
         self.num_preemptions = 0
         self.blocks: list[Block] = []
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []  # its full blocks' keys (kv_cache/block_hash.py)
         self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         self._all_token_ids = list(prompt_token_ids)
         # NOTE: what a prefill worker computed for it: the tokens known at admission, before any
@@ -90,6 +90,18 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
+
+    @property
+    def grammar_error_code(self) -> str | None:
+        """OpenAI's `code` for `error` when its grammar ended it and named one."""
+        grammar = self.grammar
+        is_grammars = grammar is not None and self.error is not None and self.error == grammar.error
+        return grammar.error_code if is_grammars else None
+
+    @property
+    def cache_salt(self) -> str | None:
+        """Its prefix-cache blocks are shared only with requests of the same salt."""
+        return self.sampling_params.cache_salt
 
     @property
     def num_prompt_tokens(self) -> int:
