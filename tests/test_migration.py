@@ -328,28 +328,41 @@ def test_a_stream_that_cannot_move_ends_with_an_error_event(start_server, worker
 def test_rolling_restart_of_every_decode_worker_under_load(proxy, workers):
     """Each D in turn SIGTERM'd (`--drain-migrate`) and restarted while clients keep sending
     streamed and whole requests: each D exits 0 within seconds (not after the drain timeout:
-    its requests moved), not one request fails, every answer equals its reference. The next D
-    goes once the proxy has the last one back (docs/deploy.md)."""
+    its requests moved), not one request fails, every answer equals its reference: each client
+    counts the requests it sent and the right answers it got, and an exception in a client
+    fails the test. The next D goes once the proxy has the last one back (docs/deploy.md)."""
     p, ds = workers
     cases = [(path, {**body, "max_tokens": 60}) for path, body in CASES[:4]]
     refs = references(proxy.url, cases)
     wholes = [post(proxy.url, path, body).json() for path, body in cases]
     failures: list[str] = []
     done = threading.Event()
-    counts = [0, 0]
+    sent, answered = [0] * 4, [0] * 4  # per client: only its own thread writes its entry
+
+    def ask(k: int, i: int) -> str | None:
+        """Client k's request for case i (odd k stream); what is wrong with the answer, or None."""
+        if k % 2:
+            got = stream(proxy.url, *cases[i])
+            if got.error or got.token_ids != refs[i].token_ids or not got.is_done:
+                return f"stream {i}: {got.error or got.token_ids}"
+            return None
+        r = post(proxy.url, *cases[i])
+        if r.status_code != 200 or _answer(r.json()) != _answer(wholes[i]):
+            return f"whole {i}: {r.status_code} {r.text[:200]}"
+        return None
 
     def client(k: int) -> None:
         while not done.is_set():
-            i = (k + counts[k % 2]) % len(cases)
-            if k % 2:
-                got = stream(proxy.url, *cases[i])
-                if got.error or got.token_ids != refs[i].token_ids or not got.is_done:
-                    failures.append(f"stream {i}: {got.error or got.token_ids}")
+            sent[k] += 1
+            try:
+                wrong = ask(k, (k + sent[k]) % len(cases))
+            except Exception as e:  # noqa: BLE001 — a client that dies is a failed request
+                failures.append(f"client {k}: {e!r}")
+                return
+            if wrong:
+                failures.append(wrong)
             else:
-                r = post(proxy.url, *cases[i])
-                if r.status_code != 200 or _answer(r.json()) != _answer(wholes[i]):
-                    failures.append(f"whole {i}: {r.status_code} {r.text[:200]}")
-            counts[k % 2] += 1
+                answered[k] += 1
 
     clients = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(4)]
     for t in clients:
@@ -366,8 +379,9 @@ def test_rolling_restart_of_every_decode_worker_under_load(proxy, workers):
     done.set()
     for t in clients:
         t.join(60)
+    assert not any(t.is_alive() for t in clients), "a client still waits for an answer"
     assert not failures, failures[:5]
-    assert sum(counts) >= 8
+    assert answered == sent and sum(sent) >= 8, (sent, answered)
     assert migrations(proxy) > before  # the load was on the workers when they went
 
 
@@ -397,3 +411,65 @@ def test_a_worker_that_does_not_continue_is_never_passed_on(start_server, worker
         assert proxy.metric(refused) == 1
     finally:
         stub.stop(signal.SIGKILL)  # its answer streams on for seconds to a closed connection
+
+
+def leaves_its_grammar(model) -> dict:
+    """A greedy completion whose output leaves its grammar mid-stream, every time: its one
+    choice needs the byte 0xC3 (the "é"), whose only tokens the request bans itself
+    (`stop_token_ids` under `min_tokens`). The token after "hello world, hello world: " breaks
+    the grammar: the request's own fault (a 400), found by D after P's first token and D's
+    first ones were streamed."""
+    vocab = json.loads((model / "tokenizer.json").read_text())["model"]["vocab"]
+    banned = sorted(i for token, i in vocab.items() if "Ã" in token)  # byte-level: 0xC3
+    assert banned, "the tiny tokenizer has a token for the byte 0xC3"
+    body = dict(prompt=PROMPTS[5], max_tokens=40, min_tokens=40, temperature=0)
+    return {**body, "guided_choice": ["hello world, hello world: été"], "stop_token_ids": banned}
+
+
+def calls(server) -> float:
+    """Completion requests the worker answered, whatever their status (its /metrics)."""
+    text = httpx.get(f"{server.url}/metrics", timeout=5).text
+    prefix = 'pdserve_requests_total{endpoint="/v1/completions",'
+    return sum(
+        float(line.rpartition(" ")[2]) for line in text.splitlines() if line.startswith(prefix)
+    )
+
+
+def faults(proxy, fault: str) -> float:
+    return proxy.metric(f'pdserve_proxy_upstream_faults_total{{fault="{fault}",role="decode"}}', 0)
+
+
+def test_a_request_fault_mid_stream_is_final_and_never_moves(proxy, workers, tiny_model):
+    """Output that leaves its grammar is the request's fault: D's error event reaches the client
+    typed (`invalid_request_error`, a string code, the status 400 it would have had) after the
+    tokens it already had, and no other D is asked to repeat it (no migration)."""
+    moved, request_faults = migrations(proxy), faults(proxy, "request")
+    out = stream(proxy.url, "/v1/completions", leaves_its_grammar(tiny_model("llama")))
+    assert out.is_done and out.error is not None and not out.finish
+    assert out.texts[0] == "hello world, hello world: " and len(out.token_ids[0]) > 2
+    assert migrations(proxy) == moved
+    assert "does not follow the grammar" in out.error["message"]
+    assert out.error["type"] == "invalid_request_error", out.error
+    assert out.error["code"] == "grammar_violation" and out.error["status"] == 400
+    assert faults(proxy, "request") == request_faults + 1
+
+
+@pytest.mark.parametrize("is_stream", [True, False], ids=["streamed", "whole"])
+def test_a_request_fault_is_never_retried_on_another_worker(
+    start_server, workers, tiny_model, is_stream
+):
+    """The same request, streamed (its 4xx an error event) and whole (its 4xx a status), through
+    a proxy with room to move it: P and one D are each called once, the other D never."""
+    p, ds = workers
+    proxy = proxy_for(start_server, p, ds)
+    before = [calls(w) for w in (p, *ds)]
+    body = {**leaves_its_grammar(tiny_model("llama")), "stream": is_stream}
+    r = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == (200 if is_stream else 400), r.text
+    after = [calls(w) for w in (p, *ds)]
+    assert after[0] - before[0] == 1  # P: once
+    assert sorted(a - b for a, b in zip(after[1:], before[1:], strict=True)) == [0, 1]
+    assert migrations(proxy) == 0
+    assert proxy.metric('pdserve_proxy_retries_total{role="decode"}') == 0
+    assert '"code":"grammar_violation"' in r.text, r.text
+    assert faults(proxy, "request") == 1 and faults(proxy, "worker") == 0

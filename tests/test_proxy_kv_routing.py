@@ -26,6 +26,7 @@ import msgspec
 import pytest
 import zmq.asyncio
 
+from common.api.protocol import MAX_CACHE_SALT_CHARS
 from common.config import KVEventsConfig
 from common.kv_cache.event_publisher import KVEventPublisher
 from common.kv_cache.events import AllBlocksCleared, KVEventBatch, KVEventCollector
@@ -37,7 +38,7 @@ from proxy.kv_routing import KVRouter
 from proxy.metrics import ProxyMetrics
 from proxy.policies import PrefixAware
 from proxy.workers import Worker, WorkerPool
-from tests.servers import ROOT, free_port, wait_until
+from tests.servers import ROOT, free_port, kv_sources, wait_until
 from tests.tiny_models import VOCAB
 
 TOKEN = "cluster-secret"
@@ -290,6 +291,15 @@ def indexed(proxy, worker) -> float:
     return proxy.metric(name, -1)
 
 
+def assert_loaded(d, before: dict[str, float], num_requests: int, mode: str = "pull") -> None:
+    """D loaded the KV of each of `num_requests` P/D requests since `before` (its kv_sources),
+    and computed none of them instead."""
+    assert wait_until(lambda: kv_sources(d)[mode] == before[mode] + num_requests, 10), (
+        f"D loaded {kv_sources(d)[mode] - before[mode]:g} of {num_requests} requests ({mode})"
+    )
+    assert kv_sources(d)["recomputed"] == before["recomputed"]
+
+
 def not_hashed_to(c, key: str):
     """The prefill worker that the hash policy would not pick for `key` (the proxy's ring)."""
     client = httpx.AsyncClient()
@@ -310,7 +320,9 @@ def test_a_warmed_prefix_goes_to_the_prefill_worker_that_holds_it(cluster):
     hits = 'pdserve_proxy_prefix_hit_blocks_total{role="prefill"}'
     hits_before = c.proxy.metric(hits, 0)
     cached_before = c.proxy.metric("pdserve_proxy_prefill_cached_tokens_total", 0)
+    loads_before = kv_sources(c.d)
     routed = [complete(c.proxy.url, p) for p in prompts]
+    assert_loaded(c.d, loads_before, 6)  # P/D equality below is of KV that D read
     assert (served(warm) - before[0], served(other) - before[1]) == (6, 0)
     assert warm.metric("pdserve_prefix_cache_hit_rate") > 0.5  # its own lookups hit
     assert other.metric("pdserve_prefix_cache_hit_rate") == 0
@@ -335,12 +347,14 @@ def test_chat_prompts_are_rendered_and_follow_their_prefix(cluster):
     assert wait_until(lambda: indexed(c.proxy, warm) >= blocks_before + 25, 30)
     before = served(warm, "/v1/chat/completions"), served(other, "/v1/chat/completions")
     renders = c.proxy.metric("pdserve_proxy_render_seconds_count", 0)
+    loads_before = kv_sources(c.d)
     # NOTE: each user turn is > 64 tokens: D, which keeps the transferred KV of the first one,
     # holds the system prompt too, and a shorter remainder would go to D alone
     users = [
         f"Which pier for ship number {i}? " + "It carries timber and grain. " * 6 for i in range(3)
     ]
     routed = [chat(c.proxy.url, u) for u in users]
+    assert_loaded(c.d, loads_before, 3)
     after = served(warm, "/v1/chat/completions"), served(other, "/v1/chat/completions")
     assert (after[0] - before[0], after[1] - before[1]) == (3, 0)
     assert c.proxy.metric("pdserve_proxy_render_seconds_count") - renders == 3
@@ -395,8 +409,10 @@ def test_the_next_turn_reads_the_answer_it_holds_from_the_decode_worker(
     pushed = 'pdserve_kv_loaded_requests_total{mode="push"}'
     read_before, pushed_before = sum(p.metric(reverse) for p in c.prefills), c.d.metric(pushed, 0)
     held_before = c.d.metric("pdserve_kv_push_held_blocks_total", 0)
+    loads_before = kv_sources(c.d)
     prompt = history + ids(seed + 1, 80)
     through = complete(proxy.url, prompt)
+    assert_loaded(c.d, loads_before, 1, mode)  # pull: D read what P computed and read
     assert proxy.metric(lent) == lent_before + 1
     # D lent its 176 tokens; turn 1's P, which holds the first 96, read the other 80
     assert proxy.metric("pdserve_proxy_reverse_pull_tokens_total") - tokens_before == 80
@@ -438,3 +454,60 @@ def test_a_restarted_worker_starts_with_an_empty_index(cluster):
     assert wait_until(lambda: indexed(c.proxy, c.p2) == 0, 30)  # the new engine's index
     complete(c.p2.url, ids(51, 64), max_tokens=1)
     assert wait_until(lambda: indexed(c.proxy, c.p2) >= 4, 30)  # and it follows the new stream
+
+
+# -- cache_salt: a tenant's prefix cache of its own -----------------------------------------------
+def cached_tokens(answer: dict) -> int:
+    return (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+
+def test_two_salts_never_share_a_cached_block(cluster):
+    url, prompt = cluster.p1.url, ids(80, 130)  # 8 whole blocks, all but the last token
+    complete(url, prompt, max_tokens=1, cache_salt="tenant-a")
+    assert cached_tokens(complete(url, prompt, max_tokens=1, cache_salt="tenant-a")) == 128
+    assert cached_tokens(complete(url, prompt, max_tokens=1, cache_salt="tenant-b")) == 0
+    assert cached_tokens(complete(url, prompt, max_tokens=1)) == 0  # no salt: not tenant-a's
+    assert cached_tokens(complete(url, prompt, max_tokens=1)) == 128  # no salt: shared
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "pier 9?"}]
+    body = {"messages": messages, "max_tokens": 1, "cache_salt": "tenant-a"}
+    chats = [httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120) for _ in "ab"]
+    assert [r.status_code for r in chats] == [200, 200]
+    assert cached_tokens(chats[0].json()) == 0  # the system prompt without the salt: not hit
+    assert cached_tokens(chats[1].json()) >= 400
+
+
+@pytest.mark.parametrize("salt", ["", 7, "x" * (MAX_CACHE_SALT_CHARS + 1)])
+def test_a_bad_cache_salt_is_a_400(cluster, salt):
+    body = {"prompt": ids(81, 20), "max_tokens": 1, "cache_salt": salt}
+    for url in (cluster.p1.url, cluster.proxy.url):  # the proxy passes P's 400 on, untried
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "cache_salt"
+
+
+def test_a_salted_prompt_is_read_from_p_and_claims_no_blocks_of_another_salt(cluster):
+    """Every worker holds the prompt without a salt: with one it is computed on P (P's usage),
+    D reads it from P (D's count) and caches it under the salt, and the proxy, which routes it
+    as a prompt nobody holds, counts no hit."""
+    c = cluster
+    prompt = ids(90, 200)  # 12 whole blocks
+    before = {w: indexed(c.proxy, w) for w in (c.p1, c.p2, c.d)}
+    for w in (c.p1, c.p2, c.d):
+        complete(w.url, prompt, max_tokens=1)
+    assert wait_until(lambda: all(indexed(c.proxy, w) >= before[w] + 12 for w in before), 30)
+    hits = [f'pdserve_proxy_prefix_hit_blocks_total{{role="{r}"}}' for r in ("prefill", "decode")]
+    hits_before = [c.proxy.metric(name, 0) for name in hits]
+    cached_before = c.proxy.metric("pdserve_proxy_prefill_cached_tokens_total", 0)
+    loaded_before = kv_sources(c.d)
+    fallbacks = 'pdserve_proxy_kv_fallbacks_total{reason="cache_salt"}'
+    fallbacks_before = c.proxy.metric(fallbacks, 0)
+    through = complete(c.proxy.url, prompt, cache_salt="tenant-c")
+    assert c.proxy.metric("pdserve_proxy_prefill_cached_tokens_total", 0) == cached_before
+    loaded = kv_sources(c.d)
+    assert loaded["pull"] == loaded_before["pull"] + 1, "D read the KV from P"
+    assert loaded["recomputed"] == loaded_before["recomputed"]
+    assert [c.proxy.metric(name, 0) for name in hits] == hits_before
+    assert c.proxy.metric(fallbacks) == fallbacks_before + 1
+    alone = complete(c.d.url, prompt, cache_salt="tenant-c")
+    assert cached_tokens(alone) == 192  # what D read, cached under the salt
+    assert through["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]

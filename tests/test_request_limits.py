@@ -90,6 +90,8 @@ CHAT_CALL = {"type": "function", "id": "c1", "function": {"name": "f", "argument
             "name": "f", "arguments": '{"a":' * 900 + "1" + "}" * 900}}]}]}, True,
          "--max-json-depth", "messages.0.tool_calls.0.function.arguments"),
         ({f"x{i}": 1 for i in range(257)}, False, "--max-fields", None),
+        ({"prompt": "hi", "cache_salt": "s" * 1025}, False, "--max-cache-salt-chars",
+         "cache_salt"),
     ],
 )  # fmt: skip
 def test_each_limit_names_its_flag_and_field(body, is_chat, flag, param):

@@ -149,10 +149,13 @@ def test_every_structured_field_through_the_proxy(cluster):
         "guided_grammar": dict(extra_body={"guided_grammar": 'root ::= "t=" [0-9] [0-9]'}),
         "guided_json": dict(extra_body={"guided_json": SCHEMA}),
     }
+    d = cluster[1]
     for name, body in forms.items():
         colocated, colocated_ids = chat(cluster, "colocated", False, **body)
+        before = loaded(d)
         answer, ids = chat(cluster, "pull", True, **body)
         assert ids == colocated_ids and answer["content"] == colocated["content"], name
+        assert wait_until(lambda b=before: loaded(d) == b + 1), f"{name}: D did not load the KV"
     text = lambda body: chat(cluster, "push", False, **body)[0]["content"]  # noqa: E731
     assert isinstance(json.loads(text(forms["json_object"])), dict)
     assert text(forms["structured_outputs.regex"])[-1] == "!"
@@ -308,3 +311,26 @@ def test_token_the_grammar_refuses_is_a_400_not_wrong_output(cluster):
     assert r.json()["error"]["type"] == "invalid_request_error"
     assert "does not follow the grammar" in r.json()["error"]["message"]
     assert wait_until(lambda: p.metric("pdserve_kv_blocks_used") == 0)
+
+
+def test_grammar_cost_is_bounded_at_the_worker(cluster):
+    """What a grammar may cost, through a real worker (docs/security.md, "Grammar cost"): n
+    over --max-grammar-rows is a 400 naming n; the regex that once cost ~0.1 s a step is a 400
+    that is the request's own (refused at admission, or ended for its cost), naming the limit;
+    D's blocks come back, and /metrics shows grammar time and the refusals."""
+    _, d, _ = cluster
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 32, "temperature": 0}
+    url = f"{d.url}/v1/completions"
+    r = httpx.post(url, json={**body, "n": 17, "guided_regex": "[0-9]+"}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == ("n", "limit_exceeded")
+    assert "--max-grammar-rows" in error["message"]
+    r = httpx.post(url, json={**body, "guided_regex": "((a{70}){70}){70}"}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "grammar_too_expensive")
+    assert "--grammar-" in error["message"], error
+    assert wait_until(lambda: d.metric("pdserve_kv_blocks_used") == 0)
+    assert d.metric('pdserve_grammar_seconds_count{op="compile"}') >= 1
+    assert d.metric('pdserve_grammar_refusals_total{reason="rows"}') >= 1

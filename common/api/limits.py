@@ -56,6 +56,7 @@ class RequestLimits:
     max_header_bytes: int = _limit(64 << 10, "bytes of a request's line and headers; 431 "
                                    "above, the connection closed")  # fmt: skip
     max_request_id_chars: int = _limit(256, "characters of an X-Request-Id")
+    max_cache_salt_chars: int = _limit(1024, "characters of a cache_salt")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -136,6 +137,8 @@ def check_body(body: dict[str, Any], is_chat: bool, limits: RequestLimits) -> No
     for name in ("max_tokens", "max_completion_tokens"):
         if _is_int(value := body.get(name)):
             _bound(value, "max_tokens", limits, name, name)
+    if isinstance(salt := body.get("cache_salt"), str):
+        _bound(len(salt), "max_cache_salt_chars", limits, "the length of cache_salt", "cache_salt")
     _check_stop(body, limits)
     _check_specs(body, limits)
     if is_chat:

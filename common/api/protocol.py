@@ -32,6 +32,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from common.api.errors import InvalidRequestError
+from common.api.limits import MAX_LOGPROBS, RequestLimits
 from common.api.logprobs import (  # noqa: F401 (re-exported)
     ChatLogprobs,
     ChatLogprobToken,
@@ -73,9 +74,8 @@ from common.engine.sampling_params import SamplingParams, StructuredOutputs
 if TYPE_CHECKING:  # the proxy imports these models without torch or tokenizers
     from common.tokenizer import Tokenizer
 
-MAX_LOGPROBS = 20
 # vLLM sets no limit; 43 characters of base64 hold the 256 random bits its docs ask for
-MAX_CACHE_SALT_CHARS = 1024
+MAX_CACHE_SALT_CHARS = RequestLimits().max_cache_salt_chars  # internal routes' bound
 # on the answer to a request with `resume`: the worker continued it (one that ignores the field
 # would start the answer again, and the proxy must not pass that on)
 RESUMED_HEADER = "x-pdserve-resumed"
@@ -247,11 +247,7 @@ class _GenerationRequest(_Request):
     def _check_cache_salt(cls, salt: Any) -> Any:
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise _invalid("Parameter 'cache_salt' must be a non-empty string if provided.")
-        if salt is not None and len(salt) > MAX_CACHE_SALT_CHARS:
-            raise _invalid(
-                f"cache_salt is {len(salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}"
-            )
-        return salt
+        return salt  # its length: --max-cache-salt-chars (common/api/limits.py)
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> _GenerationRequest:
