@@ -41,7 +41,6 @@ Unset (production), it costs one integer comparison per step.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import threading
@@ -114,7 +113,11 @@ class AsyncEngine:
         built: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(built,), name="engine", daemon=True)
         self._thread.start()
-        await asyncio.wrap_future(built)
+        try:
+            await asyncio.wrap_future(built)
+        except asyncio.CancelledError:  # the thread stops once built (`_run`)
+            self._stopping = True
+            raise
 
     async def stop(self) -> None:
         self._stopping = True
@@ -228,9 +231,11 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 — handed to start()
             self.error = e
             self._release()
-            built.set_exception(e)
+            _settle(built.set_exception, e)
             return
-        built.set_result(None)
+        if not _settle(built.set_result, None):  # start() was cancelled: nobody will step it
+            self._release()
+            return
         try:
             self._loop_until_stopped()
         except BaseException as e:  # noqa: BLE001 — every waiting request must hear of it
@@ -357,7 +362,11 @@ def _raiser(error: BaseException) -> Callable[[], None]:
     return command
 
 
-def _settle(setter: Callable, value) -> None:
+def _settle(setter: Callable, value) -> bool:
+    """False where the future was cancelled and refused `value`."""
     # NOTE: a cancelled future refuses a result; letting that raise killed the engine thread
-    with contextlib.suppress(InvalidStateError):
+    try:
         setter(value)
+    except InvalidStateError:
+        return False
+    return True
