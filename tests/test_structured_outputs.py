@@ -445,14 +445,20 @@ def test_a_mask_over_budget_ends_its_request_and_frees_its_blocks(tiny_model):
 
 
 class BlockingMatcher:
-    """A matcher whose mask waits for `release` (if any), then allows every token."""
+    """A matcher whose mask computes (spends CPU) until `release` (if any), then allows every
+    token; with `sleep`, it waits for `release` without computing, as a starved thread."""
 
-    def __init__(self, release: threading.Event | None = None):
+    def __init__(self, release: threading.Event | None = None, sleep: bool = False):
         self.release = release
+        self.sleep = sleep
 
     def unsafe_compute_mask_ptr(self, ptr: int, size: int) -> None:
-        if self.release is not None:
-            self.release.wait(30)
+        deadline = time.monotonic() + 30
+        while self.release is not None and not self.release.is_set():
+            if self.sleep:
+                self.release.wait(30)
+            elif time.monotonic() > deadline:
+                break
         ctypes.memset(ptr, 0xFF, size)
 
     def is_error(self) -> bool:
@@ -481,3 +487,16 @@ def test_rows_past_the_mask_budget_end_and_rows_queued_behind_them_do_not():
         release.set()
     assert all(g.error_code == TOO_EXPENSIVE and "mask-budget" in g.error for g in slow)
     assert quick.error is None and torch.equal(logits, before)  # every token allowed
+
+
+def test_a_mask_that_spends_no_cpu_is_waited_for_not_charged():
+    """The budget charges a mask's own CPU time: a mask thread that a loaded machine starves
+    (here: one that waits without computing, then finishes) does not end its request."""
+    release = threading.Event()
+    starved = Grammar(BlockingMatcher(release, sleep=True))
+    masks = GrammarMasks(64, budget_ms=20)
+    logits = torch.randn(1, 64)
+    before = logits.clone()
+    threading.Timer(0.2, release.set).start()  # ten budgets of wall time, no CPU
+    masks.apply(masks.start([type("Seq", (), {"grammar": starved})()]), logits)
+    assert starved.error is None and torch.equal(logits, before)

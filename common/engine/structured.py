@@ -37,7 +37,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -58,6 +58,7 @@ _OFF_GRAMMAR = "does not follow the grammar"
 _CACHE_SIZE = 512  # compiled grammars kept, by spec text (refusals too)
 _COMPILE_THREADS = 2
 _MASK_THREADS = 4
+_MAX_WAITS = 25  # budgets a step waits in all for masks that have not spent theirs (starved)
 _NEG_INF_BITS = np.array(-np.inf, dtype=np.float32).view(np.int32)  # -inf as float32 bits
 # llguidance's words for each of its limits → the GrammarConfig fields (worker flags) that set it
 _LIMIT_FIELDS = (
@@ -114,7 +115,7 @@ class GrammarStats:
 @dataclass
 class _Compiled:
     matcher: object  # llguidance.LLMatcher at the start, its first mask computed: copied per use
-    seconds: float  # what compiling it took
+    seconds: float  # the compile thread's CPU time on it (what a loaded machine cannot inflate)
 
 
 class GrammarCompiler:
@@ -224,8 +225,8 @@ class GrammarCompiler:
         if compiled.seconds > self.compile_budget:
             self.stats.refuse("compile_budget")
             raise GrammarError(
-                f"the {name} took {compiled.seconds * 1000:.0f} ms to compile; the budget is "
-                f"{budget_ms} ms ({_flag('compile_budget_ms')})",
+                f"the {name} took {compiled.seconds * 1000:.0f} ms of CPU to compile; the budget "
+                f"is {budget_ms} ms ({_flag('compile_budget_ms')})",
                 TOO_EXPENSIVE,
             )
         return compiled.matcher
@@ -250,7 +251,7 @@ class GrammarCompiler:
         the lexer: 0.8 s for ((a{70}){70}){70} without limits)."""
         import llguidance
 
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         kind, text = key
         try:
             grammar = _to_llguidance(kind, text)
@@ -267,9 +268,8 @@ class GrammarCompiler:
             matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
         if matcher.is_error():
             raise _refusal(_NAMES[kind], matcher.get_error())
-        seconds = time.perf_counter() - start
-        self.stats.observe("compile", seconds)
-        return _Compiled(matcher, seconds)
+        self.stats.observe("compile", time.perf_counter() - start)
+        return _Compiled(matcher, time.thread_time() - cpu_start)
 
     def _limits(self):
         import llguidance
@@ -425,6 +425,29 @@ class PendingMasks:
     grammars: list[Grammar]
     bits: torch.Tensor  # (R, ceil(V / 32)) int32, row i filled by futures[i]
     futures: list[Future]
+    runs: list[_MaskRun] = field(default_factory=list)  # futures[i]'s thread, once started
+
+
+@dataclass
+class _MaskRun:
+    """Where one mask runs: its thread's CPU time is what the budget charges, so that threads a
+    loaded machine starves do not end their requests."""
+
+    ident: int | None = None  # the thread, once the mask started
+    cpu_start: float = 0.0
+
+    def start(self) -> None:
+        self.cpu_start = _thread_cpu(ident := threading.get_ident())
+        self.ident = ident
+
+    def cpu_seconds(self) -> float:
+        """CPU time spent on the mask so far (0 until it starts, or unknown; the thread is
+        alive while its future is not done)."""
+        return 0.0 if self.ident is None else _thread_cpu(self.ident) - self.cpu_start
+
+
+def _thread_cpu(ident: int) -> float:
+    return time.clock_gettime(time.pthread_getcpuclockid(ident))
 
 
 class GrammarMasks:
@@ -445,8 +468,9 @@ class GrammarMasks:
         if self._bits.shape[0] < len(grammars):
             self._bits = torch.empty(len(grammars), self._bits.shape[1], dtype=torch.int32)
         bits = self._bits[: len(grammars)]
-        futures = [self._submit(g, bits[i]) for i, g in enumerate(grammars)]
-        return PendingMasks(rows, grammars, bits, futures)
+        runs = [_MaskRun() for _ in grammars]
+        futures = [self._submit(g, bits[i], runs[i]) for i, g in enumerate(grammars)]
+        return PendingMasks(rows, grammars, bits, futures, runs)
 
     def apply(self, pending: PendingMasks, logits: torch.Tensor) -> None:
         """-inf, in place, for the tokens outside each row's mask of float32 logits (B, V). A
@@ -471,31 +495,41 @@ class GrammarMasks:
         block = block_by_bits if logits.device.type == "cpu" else block_by_fill
         block(logits, [pending.rows[i] for i in on_time], allowed)
 
-    def _submit(self, grammar: Grammar, row: torch.Tensor) -> Future:
+    def _submit(self, grammar: Grammar, row: torch.Tensor, run: _MaskRun) -> Future:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(_MASK_THREADS, thread_name_prefix="grammar-masks")
-        return self._pool.submit(self._fill, grammar, row)
+        return self._pool.submit(self._fill, grammar, row, run)
 
-    def _fill(self, grammar: Grammar, row: torch.Tensor) -> None:
+    def _fill(self, grammar: Grammar, row: torch.Tensor, run: _MaskRun) -> None:
+        run.start()
         start = time.perf_counter()
         grammar.fill_mask(row)
         self.stats.observe("mask", time.perf_counter() - start)
 
     def _wait(self, pending: PendingMasks) -> set[int]:
-        """The rows whose masks were not ready within the budget. A row still queued then
-        (behind slower ones on the pool's threads) gets a second budget on a fresh pool."""
+        """The rows whose masks spent the budget of CPU time and are not done. A row still
+        computing without having spent it (its thread starved by a loaded machine, or not yet
+        started) is waited for, a budget at a time, up to `_MAX_WAITS` budgets in all; rows
+        queued behind a late one get a fresh pool."""
+        budget = self.budget_ms / 1000
         late: set[int] = set()
-        for _ in range(2):
+        pending.runs = pending.runs or [_MaskRun() for _ in pending.futures]
+        for _ in range(_MAX_WAITS):
             futures = pending.futures
-            wait(futures, self.budget_ms / 1000)
-            not_done = {i for i, f in enumerate(futures) if not f.done()}
+            wait([f for i, f in enumerate(futures) if i not in late], budget)
+            not_done = {i for i, f in enumerate(futures) if not f.done()} - late
             if not not_done:
                 return late
-            queued = {i for i in not_done if futures[i].cancel()}
-            late |= not_done - queued
-            self._abandon()
+            over = {i for i in not_done if pending.runs[i].cpu_seconds() >= budget}
+            over = {i for i in over if not futures[i].done()}
+            if not over:
+                continue
+            late |= over
+            queued = {i for i in not_done - over if futures[i].cancel()}
+            self._abandon()  # its threads finish what they run; late rows are left to them
             for i in queued:
-                futures[i] = self._submit(pending.grammars[i], pending.bits[i])
+                pending.runs[i] = _MaskRun()
+                futures[i] = self._submit(pending.grammars[i], pending.bits[i], pending.runs[i])
         return late | {i for i, f in enumerate(pending.futures) if not f.done()}
 
     def _abandon(self) -> None:
