@@ -49,7 +49,7 @@ class ProxyRequest:
         `MAX_SESSION_ID_CHARS`); `limits` (default: the defaults) are checked before anything
         is made from the body (a stream's choices, above all)."""
         limits = limits or _DEFAULT_LIMITS
-        body = parse_json_object(raw, limits.max_json_depth)
+        body = parse_json_object(raw, limits.max_json_depth, limits.max_fields)
         check_body(body, is_chat=path == CHAT_PATH, limits=limits)
         for name in ("kv_transfer_params", "resume"):
             if body.get(name) is not None:

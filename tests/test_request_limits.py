@@ -12,7 +12,7 @@ import pytest
 from common.api.cli import parse_args as worker_args
 from common.api.errors import InvalidRequestError
 from common.api.http import parse_json_object
-from common.api.limits import LIMIT_CODE, RequestLimits, check_body, json_depth, loads_bounded
+from common.api.limits import LIMIT_CODE, RequestLimits, check_body, json_shape, loads_bounded
 from common.api.tools import tool_call_from_named, tool_calls_from_required
 from proxy.config import from_dict
 from proxy.config import parse_args as proxy_args
@@ -34,12 +34,23 @@ def _random_json(rng: random.Random, depth: int):
     return {f"k{i}[": _random_json(rng, depth - 1) for i in range(rng.randint(0, 3))}
 
 
-def test_the_depth_scan_agrees_with_the_parsed_structure():
+def test_the_shape_scan_agrees_with_the_parsed_structure():
     rng = random.Random(0)
     for _ in range(500):
         value = _random_json(rng, rng.randint(0, 12))
+        if rng.random() < 0.5:
+            value = {f'k:{i}"': _random_json(rng, 4) for i in range(rng.randint(0, 6))}
+        fields = len(value) if isinstance(value, dict) else 0
         for text in (json.dumps(value), json.dumps(value, ensure_ascii=False, indent=1)):
-            assert json_depth(text.encode()) == _depth(value), text
+            assert json_shape(text.encode()) == (_depth(value), fields), text
+
+
+def test_a_wide_body_is_refused_before_it_is_parsed():
+    body = json.dumps({"prompt": "a:b", **{f"x{i}": {"y": 1} for i in range(300)}}).encode()
+    with pytest.raises(InvalidRequestError) as e:
+        parse_json_object(body, 64, max_fields=256)
+    assert "--max-fields" in e.value.message and "is 301" in e.value.message
+    assert len(parse_json_object(body, 64, max_fields=301)) == 301
 
 
 def test_a_deep_body_is_refused_before_it_is_parsed():

@@ -20,7 +20,7 @@ from common.api.errors import (
     PayloadTooLargeError,
     ServerError,
 )
-from common.api.limits import RequestLimits, check_depth
+from common.api.limits import RequestLimits, check_shape
 
 logger = logging.getLogger(__name__)
 
@@ -50,20 +50,25 @@ async def read_body(request: Request, limit: int) -> bytes:
 _MAX_DEPTH = RequestLimits().max_json_depth
 
 
-async def read_json_body(request: Request, limit: int, max_depth: int = _MAX_DEPTH) -> dict:
-    """The request's JSON object; 413 past `limit` bytes, 400 for anything not a JSON object
-    or nested deeper than `max_depth`."""
-    return parse_json_object(await read_body(request, limit), max_depth)
+async def read_json_body(
+    request: Request, limit: int, max_depth: int = _MAX_DEPTH, max_fields: int | None = None
+) -> dict:
+    """The request's JSON object; 413 past `limit` bytes, 400 for anything not a JSON object,
+    nested deeper than `max_depth` or with more than `max_fields` fields."""
+    return parse_json_object(await read_body(request, limit), max_depth, max_fields)
 
 
 # a \uXXXX escape of a UTF-16 surrogate: a pair is one character, a lone one is no text at all
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-def parse_json_object(raw: bytes, max_depth: int = _MAX_DEPTH) -> dict:
-    """A request body as a JSON object of UTF-8 text, nested at most `max_depth` deep; 400 for
-    anything else (a deep body never reaches the parser, nor any recursive code after it)."""
-    check_depth(raw, max_depth)
+def parse_json_object(
+    raw: bytes, max_depth: int = _MAX_DEPTH, max_fields: int | None = None
+) -> dict:
+    """A request body as a JSON object of UTF-8 text, nested at most `max_depth` deep, with at
+    most `max_fields` fields (None: any); 400 for anything else (a deep or wide body never
+    reaches the parser, nor any recursive code after it)."""
+    check_shape(raw, max_depth, max_fields)
     try:
         data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:

@@ -87,7 +87,9 @@ async def _parse(state: ServerState, request: Request, model: type[BodyT], endpo
     404 for a model this server does not serve."""
     state.require_ready()
     limits = state.cfg.limits
-    body = await read_json_body(request, state.cfg.max_body_bytes, limits.max_json_depth)
+    body = await read_json_body(
+        request, state.cfg.max_body_bytes, limits.max_json_depth, limits.max_fields
+    )
     check_body(body, is_chat=model is ChatCompletionRequest, limits=limits)
     req = parse_request(model, body)
     state.ignored_fields.note(req.ignored_fields, endpoint)

@@ -16,7 +16,10 @@ from common.api.state import ServerState
 
 def install_openai_routes(app: FastAPI, state: ServerState) -> None:
     def _read_body(request: Request):
-        return read_json_body(request, state.cfg.max_body_bytes, state.cfg.limits.max_json_depth)
+        limits = state.cfg.limits
+        return read_json_body(
+            request, state.cfg.max_body_bytes, limits.max_json_depth, limits.max_fields
+        )
 
     @app.post("/v1/completions", openapi_extra=json_body_openapi(CompletionRequest))
     async def completions(request: Request):
