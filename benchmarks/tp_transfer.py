@@ -93,8 +93,8 @@ def push(p, pool, d_layout, p_kv, blocks: list[int], staged: bool):
 
 
 def bench_pair(p_tp: int, d_tp: int, staged: bool, prompt_lens: list[int], repeats: int):
-    from common.kv_transfer.nixl_transport import NixlTransport
-    from common.kv_transfer.staging import StagingPool
+    from common.kv_transfer.nixl.staging import StagingPool
+    from common.kv_transfer.nixl.transport import NixlTransport
 
     p_kv, d_kv = shards(p_tp, fill=True), shards(d_tp, fill=False)
     rows = []

@@ -37,7 +37,7 @@ class RawRow:
 
 
 def bench_raw(prompt_lens: list[int], repeats: int) -> list[RawRow]:
-    from common.kv_transfer.nixl_transport import NixlTransport
+    from common.kv_transfer.nixl.transport import NixlTransport
 
     rows = []
     for huge in (True, False):
@@ -68,7 +68,7 @@ def _tensor(shape: tuple[int, ...], huge_pages: bool) -> torch.Tensor:
 
 
 def _raw_row(d, local_kv, prompt_len: int, huge: bool, repeats: int) -> RawRow:
-    from common.kv_transfer.checksum import request_checksums
+    from common.kv_transfer.nixl.checksum import request_checksums
 
     num_blocks = math.ceil(prompt_len / BLOCK_SIZE)
     blocks = list(range(1, num_blocks + 1))  # contiguous, as the allocator gives them
@@ -123,7 +123,7 @@ class Ceiling:
     agents of their own (separate from the transports under test)."""
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        from common.kv_transfer.nixl_agent import create_agent
+        from common.kv_transfer.nixl.agent import create_agent
 
         self.p, self.d = create_agent("ceiling-p", 1000), create_agent("ceiling-d", 1000)
         self.p.register_memory([src])

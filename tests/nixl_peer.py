@@ -71,7 +71,7 @@ class PeerProcess:
 def _serve(conn, engine_id: str, seed: int | None) -> None:
     """Peer main: commands add_peer, send_notif, notifs, blocks, exit; collects notifs meanwhile."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    from common.kv_transfer.nixl_transport import KVLayout, NixlTransport
+    from common.kv_transfer.nixl.transport import KVLayout, NixlTransport
 
     kv = make_kv(seed)
     transport = NixlTransport(engine_id, kv)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from common.kv_transfer.checksum import block_checksums, mismatch, request_checksums
+from common.kv_transfer.nixl.checksum import block_checksums, mismatch, request_checksums
 from tests.servers import kv_sources, wait_until
 from tests.test_pd_pull import complete, prefill, prompts
 

@@ -20,7 +20,7 @@ from common.config import CacheConfig, EngineConfig, ModelConfig, TransferConfig
 from common.engine.engine import LLMEngine
 from common.engine.sampling_params import SamplingParams
 from common.kv_transfer.handshake import HandshakeInfo
-from common.kv_transfer.nixl_transport import TransferError
+from common.kv_transfer.nixl.transport import TransferError
 from common.kv_transfer.transfers import TransferFuture
 from tests.chaos.faults import frozen
 from tests.servers import wait_until

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from common.kv_cache.block_pool import BlockPool
-from common.kv_transfer import transfers
-from common.kv_transfer.holds import TransferHolds
-from common.kv_transfer.reservations import ReservationTable, parse_push_notif, push_notif
-from common.kv_transfer.transfers import TransferJob
+from common.kv_transfer.nixl import job as nixl_job
+from common.kv_transfer.nixl.holds import TransferHolds
+from common.kv_transfer.nixl.job import TransferJob
+from common.kv_transfer.nixl.reservations import ReservationTable, parse_push_notif, push_notif
 
 
 def running() -> Future:
@@ -74,13 +74,13 @@ def test_a_handle_nixl_keeps_settles_once_it_lets_go_and_is_logged_once(monkeypa
         def check_xfer_state(self, handle: Handle) -> str:
             return handle.state
 
-    monkeypatch.setattr(transfers, "_UNSETTLED_WARN_S", 0.0)
+    monkeypatch.setattr(nixl_job, "_UNSETTLED_WARN_S", 0.0)
     handle, agent = Handle(), Agent()
     job = TransferJob("WRITE", "d0", np.zeros((1, 3)), np.zeros((1, 3)), b"", None, 64)
     job.handle = handle
     assert not job.fail(TimeoutError("deadline"))  # the transport keeps it in its aborting list
     assert job.future.done() and not job.future.is_settled()
-    with caplog.at_level(logging.WARNING, logger=transfers.__name__):
+    with caplog.at_level(logging.WARNING, logger=nixl_job.__name__):
         assert not job.try_settle(agent) and not job.try_settle(agent)
     unsettled = [r for r in caplog.records if "has not settled" in r.getMessage()]
     assert len(unsettled) == 1 and "NIXL_IN_PROG" in unsettled[0].getMessage()

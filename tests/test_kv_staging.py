@@ -1,4 +1,4 @@
-"""Staged transfers between different head splits (common/kv_transfer/staging.py), over two
+"""Staged transfers between different head splits (common/kv_transfer/nixl/staging.py), over two
 real NIXL agents in this process: pulled, the peer's blocks land whole in a staging buffer and
 each head ends up in our shard that holds it; pushed, our heads are gathered into the peer's
 layout and written whole. Nothing outside the named blocks changes; buffers are reused and go
@@ -18,8 +18,8 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 pytest.importorskip("nixl")
 
 from common.kv_transfer.layout import ShardTensors  # noqa: E402
-from common.kv_transfer.nixl_transport import NixlTransport  # noqa: E402
-from common.kv_transfer.staging import StagingPool  # noqa: E402
+from common.kv_transfer.nixl.staging import StagingPool  # noqa: E402
+from common.kv_transfer.nixl.transport import NixlTransport  # noqa: E402
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEAD_DIM = 3, 12, 4, 8
 SPLITS = {"tp1": [(0, 3)], "tp2": [(0, 1), (1, 3)], "tp2-other": [(0, 2), (2, 3)]}

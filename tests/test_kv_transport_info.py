@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from common.api.metrics import ServerMetrics
-from common.kv_transfer import transport_info
-from common.kv_transfer.transport_info import UcxLog, WatchedAgent
+from common.kv_transfer.nixl import transport_info
+from common.kv_transfer.nixl.transport_info import UcxLog, WatchedAgent
 from tests.test_pd_pull import complete, prefill, prompts
 
 SAMPLE = re.compile(r'^pdserve_kv_transport_info\{peer="([^"]+)",transport="([^"]+)"\} 1\.0$')
@@ -261,7 +261,7 @@ def test_ucx_warnings_are_passed_on(tmp_path, caplog):
     (tmp_path / "ucx.log").write_text(
         f"[17.1] [vm:42 :0]     ucp_context.c:1508 UCX  WARN  {warning}\n[17.2] [vm:42 :0] partial"
     )
-    with caplog.at_level(logging.WARNING, logger="common.kv_transfer.transport_info"):
+    with caplog.at_level(logging.WARNING, logger="common.kv_transfer.nixl.transport_info"):
         log.read()
     assert [r.getMessage() for r in caplog.records] == [f"UCX ucp_context.c:1508: {warning}"]
 

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # before nixl is imported, here and in peers
-from common.kv_transfer.nixl_transport import KVLayout, NixlTransport, TransferError  # noqa: E402
+from common.kv_transfer.nixl.transport import KVLayout, NixlTransport, TransferError  # noqa: E402
 from tests.nixl_peer import NUM_LAYERS, PeerProcess, block_bytes, make_kv  # noqa: E402
 
 PEER_SEED, LOCAL_SEED = 1, 2
@@ -180,7 +180,7 @@ def test_stopped_peer_times_out_at_the_deadline(local, peers):
 
 
 def test_the_progress_delay_comes_from_the_environment(monkeypatch):
-    from common.kv_transfer.nixl_transport import PROGRESS_DELAY_ENV, progress_delay
+    from common.kv_transfer.nixl.transport import PROGRESS_DELAY_ENV, progress_delay
 
     monkeypatch.delenv(PROGRESS_DELAY_ENV, raising=False)
     assert progress_delay() == 1000

@@ -1,10 +1,10 @@
-"""Which peers the transport forgets (common/kv_transfer/nixl_transport.py), as a pure policy."""
+"""Which peers the transport forgets (common/kv_transfer/nixl/transport.py), as a pure policy."""
 
 from __future__ import annotations
 
 import time
 
-from common.kv_transfer.nixl_transport import Peer, stale_peers
+from common.kv_transfer.nixl.transport import Peer, stale_peers
 
 
 def _peer(age_s: float, retired: bool = False) -> Peer:

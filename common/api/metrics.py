@@ -11,7 +11,7 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 from common.engine.stats import EngineStats
 from common.engine.structured import GrammarSeconds
-from common.kv_transfer import transport_info
+from common.kv_transfer.nixl import transport_info
 from common.kv_transfer.transfers import DescriptorHistogram, RunningHistogram, SecondsHistogram
 from common.native.choice import choices as kernel_choices
 
@@ -102,7 +102,7 @@ class _KernelCollector:
 class _TransportCollector:
     """`pdserve_kv_transport_info{peer, transport}` = 1: the UCX transports of the KV READs or
     WRITEs this worker initiates with each peer, as UCX reported its choice
-    (common/kv_transfer/transport_info.py)."""
+    (common/kv_transfer/nixl/transport_info.py)."""
 
     def collect(self):
         family = GaugeMetricFamily(

@@ -38,11 +38,10 @@ from common.kv_cache.block_pool import BlockPool
 from common.kv_cache.manager import KVCacheManager
 from common.kv_cache.tensors import allocate_kv_caches, num_blocks_for_memory
 from common.kv_transfer import create_connector
-from common.kv_transfer.base import KVConnector
+from common.kv_transfer.base import KVConnector, Reservation
 from common.kv_transfer.handshake import compat_hash, local_compat
 from common.kv_transfer.params import RemotePrefill, wants_remote_prefill
 from common.kv_transfer.remote_prefills import RemotePrefills
-from common.kv_transfer.reservations import Reservation
 from common.model.hf_config import load_arch_config
 from common.model.loader import load_model
 from common.parallel.group import TPGroup

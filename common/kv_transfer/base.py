@@ -70,9 +70,8 @@ if TYPE_CHECKING:
     from common.attention.context import ForwardContext
     from common.attention.metadata import AttentionMetadata
     from common.kv_cache.block_pool import Block
-    from common.kv_transfer.reservations import Reservation
 
-__all__ = ["KVConnector", "KVLoss", "KVTransferStats", "PeerInfo", "Request"]
+__all__ = ["KVConnector", "KVLoss", "KVTransferStats", "PeerInfo", "Request", "Reservation"]
 
 
 class Request(Protocol):
@@ -131,6 +130,20 @@ class KVTransferStats:
     recomputed: dict[str, int] = field(default_factory=dict)  # by KVLoss.reason
     descriptors: dict[str, DescriptorHistogram] = field(default_factory=dict)  # read | write
     seconds: dict[str, SecondsHistogram] = field(default_factory=dict)  # read | write, a request
+
+
+@dataclass
+class Reservation:
+    """D: blocks reserved for a prefill worker to push a prompt's KV into (`reserve`), and
+    which of its (layer, chunk) writes have landed."""
+
+    reservation_id: str
+    blocks: list[Block]
+    expires_at: float
+    write_by: float  # unix time: P's writes must have landed by then
+    landed: set[tuple[int, int]] = field(default_factory=set)  # (layer, chunk)
+    num_chunks: int | None = None  # known once a final chunk has reported
+    num_held: int = 0  # leading blocks from this worker's own prefix cache: P writes the rest
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from common.kv_cache.block_pool import BlockPool
 from common.kv_transfer.layout import KVLayout, ShardTensors, runs
 from common.kv_transfer.nixl.connector import NixlConnector
 from common.kv_transfer.transfers import TransferError, TransferFuture, TransferResult
+from common.kv_transfer.transport import Transport
 
 
 class Loopback:
@@ -47,8 +48,8 @@ class Faults:
     num_corrupt_reads: int = 0  # the next reads land with one K value changed
 
 
-class LoopbackTransport:
-    """The part of NixlTransport's surface the connector uses, moving bytes by `copy_`."""
+class LoopbackTransport(Transport):
+    """The `Transport`, moving bytes by `copy_` between engines of this process."""
 
     def __init__(self, fabric: Loopback, engine_id: str, shards: list[ShardTensors]):
         assert len(shards) == 1, "the loopback transport moves KV between TP = 1 engines only"
@@ -84,6 +85,15 @@ class LoopbackTransport:
     def num_peers(self) -> int:
         return len(self._peers)
 
+    def peer_transports(self) -> dict[str, frozenset[str]]:
+        return {}  # no UCX underneath: nothing to report
+
+    def register(self, tensor: torch.Tensor) -> Any:
+        raise NotImplementedError("no staging on the loopback")
+
+    def deregister(self, registration: Any) -> None:
+        raise NotImplementedError("no staging on the loopback")
+
     def send_notif(self, peer: str, msg: bytes) -> None:
         if peer in self.fabric.transports:  # a peer gone: lost, as over the wire
             self.fabric.transports[peer]._inbox.append(msg)
@@ -104,7 +114,7 @@ class LoopbackTransport:
         remote_blocks: Sequence[int],
         notif: bytes = b"",
         deadline: float | None = None,
-        via: Any = None,
+        via: KVLayout | None = None,
     ) -> TransferFuture:
         assert via is None, "no staging on the loopback"
         if self.faults.num_failed_reads:
@@ -127,7 +137,7 @@ class LoopbackTransport:
         notif: bytes = b"",
         deadline: float | None = None,
         ready: Any = None,
-        via: Any = None,
+        via: KVLayout | None = None,
     ) -> TransferFuture:
         assert via is None, "no staging on the loopback"
         future = self._copy(peer, [layer], local_blocks, remote_blocks, deadline, is_read=False)

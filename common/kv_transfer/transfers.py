@@ -1,26 +1,17 @@
-"""What one KV transfer is, and how it ends: the job the transfer thread carries
-(`TransferJob`), the Future the caller holds (`TransferFuture`: done, failed, and *settled*
-once its memory is no longer touched), its result and its error, and a connector's running
-totals (`TransferStats`). The thread that moves the
-bytes is common/kv_transfer/nixl_transport.py. Also what a connector starts one with: `submit`
-(a refusal becomes a failed Future), `fenced` (the deadline a peer's lease or reservation
-allows) and `kv_written_event` (what a WRITE of CUDA memory waits for).
+"""What one KV transfer is, and how it ends, whatever the transport (transport.py): the Future
+the caller holds (`TransferFuture`: done, failed, and *settled* once its memory is no longer
+touched), its result and its error; the running histograms a connector's stats carry to
+/metrics, and its running totals (`TransferStats`). Also what a connector starts one with:
+`submit` (a refusal becomes a failed Future) and `kv_written_event` (what a WRITE of CUDA
+memory waits for). NIXL's own transfer job is nixl/job.py.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
-
-import numpy as np
-
-from common.kv_transfer.leases import local_deadline
-
-logger = logging.getLogger(__name__)
+from typing import ClassVar
 
 
 class TransferError(ConnectionError):
@@ -37,7 +28,6 @@ class TransferResult:
 
 DESCRIPTOR_BUCKETS = (2, 4, 8, 16, 32, 64, 128)  # 2 a layer: every block in one run both sides
 # one request's KV transfer: a few ms on one host, seconds for a long prompt over TCP
-_UNSETTLED_WARN_S = 10.0  # a handle NIXL keeps this long is logged (once)
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -103,96 +93,6 @@ class TransferFuture(Future):
     def mark_settled(self, settled: bool = True) -> None:
         """The transfer no longer touches its memory (or, False: may still, until released)."""
         self._is_settled = settled
-
-
-@dataclass
-class TransferJob:
-    """One READ or WRITE of one layer's blocks with one peer, from submission to settled."""
-
-    op: str  # "READ" | "WRITE"
-    peer: str
-    local_descs: np.ndarray  # (n, 3) rows of (addr, len, device id)
-    remote_descs: np.ndarray
-    notif: bytes
-    deadline: float | None
-    num_bytes: int
-    ready: Any = None  # a CUDA event the data waits on, or None
-    future: TransferFuture = field(default_factory=TransferFuture)
-    handle: Any = None
-    started: float = 0.0
-    post_s: float = 0.0
-    unsettled_since: float = 0.0  # when NIXL first refused to release the handle (monotonic)
-    release_error: str = ""  # its last refusal, for the log
-    warned: bool = False
-
-    def finish(self) -> bool:
-        """DONE: release the handle and report the result; True if settled (released)."""
-        seconds = time.monotonic() - self.started
-        settled = self.release()
-        self.future.mark_settled(settled)
-        result = TransferResult(self.num_bytes, seconds, len(self.local_descs), self.post_s)
-        self.future.set_result(result)
-        return settled
-
-    def fail(self, exc: BaseException) -> bool:
-        """Release the handle (aborting an in-flight transfer) and report `exc` unless the
-        Future is done already; True if settled."""
-        settled = self.release()
-        self.future.mark_settled(settled)
-        if not self.future.done():
-            self.future.set_exception(exc)
-        return settled
-
-    def try_settle(self, agent: Any) -> bool:
-        """A failed job whose handle NIXL refused to release: release it once the transfer is
-        no longer in progress. True once settled; a job unsettled for `_UNSETTLED_WARN_S` is
-        logged once (its blocks stay quarantined until NIXL lets go)."""
-        try:
-            state = agent.check_xfer_state(self.handle)
-        except Exception:  # noqa: BLE001 — the peer is gone: nothing can move any more
-            state = "ERR"
-        if state != "PROC" and self.release(quiet=True):
-            return True
-        waited = time.monotonic() - self.unsettled_since
-        if waited > _UNSETTLED_WARN_S and not self.warned:
-            self.warned = True
-            logger.warning(
-                "a %s with %s has not settled for %.0f s: state %s, release refused with %s; "
-                "its local blocks stay quarantined", self.op, self.peer, waited, state,
-                self.release_error or "nothing (still in progress)",
-            )  # fmt: skip
-        return False
-
-    def release(self, quiet: bool = False) -> bool:
-        """Release the handle; False (handle kept) if NIXL refused. Settles the Future."""
-        if self.handle is not None:
-            try:
-                self.handle.release()
-            except Exception as e:
-                if not quiet:
-                    why = "releasing a %s handle with %s failed: %r"
-                    logger.warning(why, self.op, self.peer, e)
-                self.release_error = repr(e)
-                self.unsettled_since = self.unsettled_since or time.monotonic()
-                return False
-            self.handle = None
-        self.future.mark_settled()
-        return True
-
-
-def as_transfer_error(job: TransferJob, exc: Exception) -> Exception:
-    """What a transfer's Future fails with: a timeout or a TransferError (NIXL's error as cause)."""
-    if isinstance(exc, (TimeoutError, TransferError)):
-        return exc
-    error = TransferError(f"{job.op} with {job.peer} failed: {exc!r}")
-    error.__cause__ = exc
-    return error
-
-
-def fenced(deadline: float, peer_deadline: float | None) -> float:
-    """The earlier of a local deadline and a peer's wall-clock one (its lease or reservation):
-    a transfer never runs past the time the peer may reuse the blocks."""
-    return deadline if peer_deadline is None else min(deadline, local_deadline(peer_deadline))
 
 
 def kv_written_event(kv_cache):

@@ -23,7 +23,7 @@ import torch
 from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, TransferConfig
 from common.engine.engine import LLMEngine
 from common.engine.sampling_params import SamplingParams
-from common.kv_transfer import transport_info
+from common.kv_transfer.nixl import transport_info
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ P and D are `ChildEngine`s, each started with `CUDA_VISIBLE_DEVICES` naming one 
 GPU left to the driver: the shape deploy/compose.py gives each worker container (it sees every
 worker's GPU and runs on its own). Each prompt is pulled and pushed (`pd.compare`: same tokens
 as colocated, KV really moved, every block back); then each side's own UCX report
-(common/kv_transfer/transport_info.py): D's READs from P and P's WRITEs to D must use
+(common/kv_transfer/nixl/transport_info.py): D's READs from P and P's WRITEs to D must use
 `cuda_ipc`, and neither `tcp` nor "unknown" (a transport UCX did not name). GB/s, end to end:
 the bytes D loaded over the seconds its loads took (pull, from the READ issued to the KV
 landed), and the bytes P pushed over the seconds from each request's first WRITE to its last

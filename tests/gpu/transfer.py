@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import torch
 
 from common.kv_cache.tensors import allocate_kv_caches
-from common.kv_transfer.nixl_transport import NixlTransport
+from common.kv_transfer.nixl.transport import NixlTransport
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 30, 3, 64, 16, 256
 

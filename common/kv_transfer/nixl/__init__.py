@@ -26,9 +26,12 @@ Fail closed: blocks that a transfer reads or writes stay referenced until the tr
 a late WRITE read from, blocks that another request owns by then.
 
 Layout: `NixlConnector` (connector.py) is the `KVConnector`, a façade over the scheduler half
-(scheduler.py: leases, reservations, load and push plans) and the worker half (worker.py: the
-transport, the KV tensors, the step's transfers); common/kv_transfer/nixl_transport.py moves
-the bytes.
+(scheduler.py: leases.py for P's leases, reservations.py for D's, push.py for P's push books)
+and the worker half (worker.py: the transport, the KV tensors, the step's transfers; holds.py
+keeps the blocks under transfer, staging.py the buffers between head splits, checksum.py the
+per-block sums). transport.py is the `Transport` (common/kv_transfer/transport.py) over NIXL:
+one agent (agent.py), a transfer thread carrying each transfer as a job (job.py), and UCX's
+report of what carries each peer's KV (transport_info.py).
 """
 
 from common.kv_transfer.nixl.connector import NixlConnector

@@ -7,18 +7,23 @@ the pushes in flight (`PushTable`) and the running totals (`TransferStats`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from common.config import TransferConfig
 from common.kv_cache.block_pool import Block, BlockPool
-from common.kv_transfer.base import KVConnector, KVLoss, KVTransferStats, PeerInfo, Request
-from common.kv_transfer.holds import TransferHolds
+from common.kv_transfer.base import (
+    KVConnector,
+    KVLoss,
+    KVTransferStats,
+    PeerInfo,
+    Request,
+    Reservation,
+)
+from common.kv_transfer.nixl.holds import TransferHolds
+from common.kv_transfer.nixl.push import PushTable
 from common.kv_transfer.nixl.scheduler import NixlScheduler
 from common.kv_transfer.nixl.worker import NixlWorker, StepMeta, nixl_transport
 from common.kv_transfer.params import RemotePrefill
-from common.kv_transfer.push import PushTable
-from common.kv_transfer.reservations import Reservation
 from common.kv_transfer.transfers import TransferStats
+from common.kv_transfer.transport import MakeTransport
 
 
 class NixlConnector(KVConnector):
@@ -27,7 +32,7 @@ class NixlConnector(KVConnector):
         cfg: TransferConfig,
         block_size: int,
         pool: BlockPool,
-        make_transport: Callable = nixl_transport,
+        make_transport: MakeTransport = nixl_transport,
     ):
         super().__init__()
         self.holds = TransferHolds(pool)
@@ -38,7 +43,7 @@ class NixlConnector(KVConnector):
 
     @property
     def transport(self):
-        """The worker half's NixlTransport (None before `register_kv_caches`), for tests that
+        """The worker half's `Transport` (None before `register_kv_caches`), for tests that
         inject faults into it."""
         return self.worker.transport
 

@@ -10,21 +10,22 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from common.config import TransferConfig
 from common.kv_cache.block_pool import Block
 from common.kv_transfer.base import KVLoss, PeerInfo
-from common.kv_transfer.checksum import mismatch, request_checksums
-from common.kv_transfer.holds import TransferGroup, TransferHolds
 from common.kv_transfer.layout import KVLayout, ShardTensors, distinct_heads
+from common.kv_transfer.nixl.checksum import mismatch, request_checksums
+from common.kv_transfer.nixl.holds import TransferGroup, TransferHolds
+from common.kv_transfer.nixl.leases import fenced
+from common.kv_transfer.nixl.push import PushPlan, PushTable
+from common.kv_transfer.nixl.reservations import push_notif
+from common.kv_transfer.nixl.staging import Staged, StagingPool
 from common.kv_transfer.params import RemotePrefill
-from common.kv_transfer.push import PushPlan, PushTable
-from common.kv_transfer.reservations import push_notif
-from common.kv_transfer.staging import Staged, StagingPool
-from common.kv_transfer.transfers import TransferStats, fenced, kv_written_event, submit
+from common.kv_transfer.transfers import TransferStats, kv_written_event, submit
+from common.kv_transfer.transport import MakeTransport, Transport
 from common.tracing import RequestTimes
 
 logger = logging.getLogger(__name__)
@@ -63,9 +64,9 @@ class StepMeta:
     pushes: list[PushPlan] = field(default_factory=list)
 
 
-def nixl_transport(engine_id: str, shards: list[ShardTensors]):
+def nixl_transport(engine_id: str, shards: list[ShardTensors]) -> Transport:
     """The NIXL transport of our KV (imported on use: NIXL loads a native library)."""
-    from common.kv_transfer.nixl_transport import NixlTransport
+    from common.kv_transfer.nixl.transport import NixlTransport
 
     return NixlTransport(engine_id, shards)
 
@@ -77,14 +78,14 @@ class NixlWorker:
         holds: TransferHolds,
         pushes: PushTable,
         stats: TransferStats,
-        make_transport: Callable = nixl_transport,  # (engine id, shards) → the wire
+        make_transport: MakeTransport = nixl_transport,
     ):
         self.cfg = cfg
         self.make_transport = make_transport
         self.holds = holds  # blocks a transfer touches stay referenced until it settles
         self.pushes = pushes  # P: each WRITE posted is recorded there
         self.stats = stats
-        self.transport = None  # NixlTransport, once the KV is registered
+        self.transport: Transport | None = None  # once the KV is registered
         self.staging = None
         self.kv_caches: list = []  # per layer: its shards holding each head once (checksums)
         self.layer_index: dict[str, int] = {}
@@ -120,6 +121,9 @@ class NixlWorker:
 
     def get_notifs(self) -> list[bytes]:
         return self.transport.get_notifs() if self.transport else []
+
+    def peer_transports(self) -> dict[str, frozenset[str]]:
+        return self.transport.peer_transports() if self.transport else {}
 
     def notify_release(self, remote: RemotePrefill) -> None:
         """Tell P it may free a request's blocks; P may be gone: its lease expires anyway."""

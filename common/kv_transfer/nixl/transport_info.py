@@ -19,7 +19,8 @@ calls, so the one configuration named in between is the peer's.
 NOTE: a peer whose endpoint reuses another peer's configuration prints nothing new; it gets the
 transports of every configuration it could be when they agree, "unknown" otherwise. The
 initiator reports: D for its READs (pull), P for its WRITEs (push). `snapshot()` is what
-`/metrics` shows; each peer is logged when its first READ or WRITE ends.
+`/metrics` shows (through the transport and the connector's stats); each peer is logged when
+its first READ or WRITE ends.
 """
 
 from __future__ import annotations
@@ -173,12 +174,15 @@ _REPORTS: dict[tuple[str, str], dict[str, tuple[frozenset[str], str]]] = {}  # p
 # (local agent, peer) → op → (transports, what UCX printed)
 
 
-def snapshot() -> dict[str, frozenset[str]]:
+def snapshot(local: str | None = None) -> dict[str, frozenset[str]]:
     """{peer agent name: the UCX transports of its KV transfers ({"unknown"} if UCX did not
-    say)}, for every peer this process has READ from or WRITTEN to."""
+    say)}, for every peer this process (or its agent named `local`) has READ from or WRITTEN
+    to."""
     merged: dict[str, frozenset[str]] = {}
     with _REPORTS_LOCK:
-        for (_, peer), ops in _REPORTS.items():
+        for (agent, peer), ops in _REPORTS.items():
+            if local is not None and agent != local:
+                continue
             merged[peer] = merged.get(peer, frozenset()).union(*(u for u, _ in ops.values()))
     return {peer: used or frozenset([UNKNOWN]) for peer, used in merged.items()}
 

@@ -6,7 +6,8 @@ reference until the lease ends.
 
 The other side learns a lease's end as a wall-clock deadline (`wall_deadline`): a reader (or a
 pushing writer) must have finished by then, `skew_margin` before the owner may free the blocks.
-A reader that was frozen or slow past it fails closed instead of using reused blocks.
+A reader that was frozen or slow past it fails closed instead of using reused blocks. A transfer
+with a peer never runs past the peer's deadline (`fenced`).
 NOTE: a transfer already inside NIXL when its process stops can still land late; the margin
 covers short stalls there, not a peer frozen in the middle of a copy.
 """
@@ -36,6 +37,12 @@ def wall_deadline(timeout: float) -> float:
 def local_deadline(wall: float) -> float:
     """A peer's wall-clock deadline on this host's monotonic clock."""
     return time.monotonic() + (wall - time.time())
+
+
+def fenced(deadline: float, peer_deadline: float | None) -> float:
+    """The earlier of a local deadline and a peer's wall-clock one (its lease or reservation):
+    a transfer never runs past the time the peer may reuse the blocks."""
+    return deadline if peer_deadline is None else min(deadline, local_deadline(peer_deadline))
 
 
 @dataclass

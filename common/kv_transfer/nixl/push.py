@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.kv_transfer.base import Request
-from common.kv_transfer.holds import TransferGroup, TransferHolds
+from common.kv_transfer.nixl.holds import TransferGroup, TransferHolds
 from common.kv_transfer.params import PushTarget, push_target
 from common.kv_transfer.transfers import DescriptorHistogram, SecondsHistogram
 from common.tracing import RequestTimes

@@ -1,4 +1,5 @@
-"""NIXL transport: one agent per worker; moves KV blocks of some layers to or from a peer.
+"""NIXL transport: one agent per worker; moves KV blocks of some layers to or from a peer. The
+`Transport` (common/kv_transfer/transport.py) of the NIXL connector.
 
 Contract
 - `NixlTransport(engine_id, kv_caches)` registers every layer's paged KV tensor (contiguous,
@@ -52,14 +53,11 @@ from common.kv_transfer.layout import (
     runs,
     transfer_descs,
 )
-from common.kv_transfer.nixl_agent import create_agent
-from common.kv_transfer.transfers import (
-    TransferError,
-    TransferFuture,
-    TransferJob,
-    TransferResult,
-    as_transfer_error,
-)
+from common.kv_transfer.nixl import transport_info
+from common.kv_transfer.nixl.agent import create_agent
+from common.kv_transfer.nixl.job import TransferJob, as_transfer_error
+from common.kv_transfer.transfers import TransferError, TransferFuture, TransferResult
+from common.kv_transfer.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +128,7 @@ def progress_delay() -> int:
     return value
 
 
-class NixlTransport:
+class NixlTransport(Transport):
     def __init__(
         self,
         engine_id: str,
@@ -183,6 +181,11 @@ class NixlTransport:
     @property
     def num_peers(self) -> int:
         return len(self._peers)
+
+    def peer_transports(self) -> dict[str, frozenset[str]]:
+        """{peer agent name: the UCX transports of our READs or WRITEs with it}, as UCX
+        reported them (transport_info.py); empty while UCX's log is not read."""
+        return transport_info.snapshot(self.layout.agent_name)
 
     # -- transfers -----------------------------------------------------------------------------
     def read_layers(

@@ -5,7 +5,7 @@ polls in a tight loop (a whole core). The agent is created with the wrapper's bi
 swapped, for that one call, for a stand-in that sets `pthrDelay` on the way to the C++ agent.
 
 UCX's log is pointed at a file before NIXL loads UCX, and the agent comes back wrapped so that
-each peer's UCX transports are read from it (common/kv_transfer/transport_info.py).
+each peer's UCX transports are read from it (transport_info.py).
 
 UCX's tcp transport listens on every network interface unless told otherwise. `listen_on(host)`
 (the address peers are told, `--kv-host`), called before the first agent loads UCX, sets
@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from common.kv_transfer import transport_info
+from common.kv_transfer.nixl import transport_info
 
 logger = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from common.kv_cache.block_pool import Block, BlockPool, NoFreeBlocksError
-from common.kv_transfer.leases import wall_deadline
+from common.kv_transfer.base import Reservation
+from common.kv_transfer.nixl.leases import wall_deadline
 
 PUSHED = b"pushed:"
 _LAST = "last"
@@ -46,17 +46,6 @@ def parse_push_notif(msg: bytes) -> tuple[str, int, int, bool]:
     if len(parts) != 3:
         raise ValueError(f"malformed push notification {msg!r}")
     return parts[0], int(parts[1]), int(parts[2]), is_final
-
-
-@dataclass
-class Reservation:
-    reservation_id: str
-    blocks: list[Block]
-    expires_at: float
-    write_by: float  # unix time: P's writes must have landed by then
-    landed: set[tuple[int, int]] = field(default_factory=set)  # (layer, chunk)
-    num_chunks: int | None = None  # known once a final chunk has reported
-    num_held: int = 0  # leading blocks from this worker's own prefix cache: P writes the rest
 
 
 class ReservationTable:
