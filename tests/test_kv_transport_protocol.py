@@ -9,7 +9,9 @@ import inspect
 import pytest
 import torch
 
-from common.kv_transfer.fake import Loopback, LoopbackTransport
+from common.config import TransferConfig
+from common.kv_cache.block_pool import BlockPool
+from common.kv_transfer.fake import FakeConnector, Loopback, LoopbackTransport
 from common.kv_transfer.layout import ShardTensors
 from common.kv_transfer.nixl.transport import NixlTransport
 from common.kv_transfer.transport import Transport
@@ -47,3 +49,16 @@ def test_the_loopback_transport_has_a_layout_and_no_staging():
     assert transport.peer_transports() == {}
     with pytest.raises(NotImplementedError):
         transport.register(torch.zeros(8, dtype=torch.uint8))
+
+
+def test_the_transports_report_reaches_the_connectors_stats():
+    """What carries each peer's KV (NIXL: UCX's transports) goes to /metrics through the
+    connector's `KVTransferStats`, never by the HTTP layer asking NIXL."""
+    pool = BlockPool(4, enable_prefix_caching=False)
+    connector = FakeConnector(TransferConfig(engine_id="e0"), 2, pool, Loopback())
+    assert connector.stats_snapshot().peer_transports == {}  # no KV registered yet
+    kv = {f"layer{i}": torch.zeros(2, 4, 2, 1, 4) for i in range(2)}
+    connector.register_kv_caches(kv)
+    report = {"p-0": frozenset({"cma"})}
+    connector.transport.peer_transports = lambda: report
+    assert connector.stats_snapshot().peer_transports == report

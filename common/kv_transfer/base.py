@@ -40,7 +40,8 @@ Scheduler side (the engine calls these between steps, on the same thread):
   release, `release_lease`, expiry). P reads them as D reads a prompt, and computes the rest.
 - `count_loaded(mode)` / `count_recomputed(reason)`: where each remote-prefill request's KV
   came from, for metrics (`pdserve_kv_loaded_requests_total`, `pdserve_kv_recomputed_total`).
-- `stats_snapshot()`: the connector's running totals as a frozen `KVTransferStats`.
+- `stats_snapshot()`: the connector's running totals as a frozen `KVTransferStats`, with what
+  its transport reports of each peer: /metrics reads the transport's facts there, nowhere else.
 - `poll()`: between steps: notifications, lease expiry; `has_pending()` asks the engine loop to
   keep calling it while idle.
 
@@ -130,6 +131,8 @@ class KVTransferStats:
     recomputed: dict[str, int] = field(default_factory=dict)  # by KVLoss.reason
     descriptors: dict[str, DescriptorHistogram] = field(default_factory=dict)  # read | write
     seconds: dict[str, SecondsHistogram] = field(default_factory=dict)  # read | write, a request
+    # peer → what carries its KV, as the transport reports it (NIXL: UCX's transports)
+    peer_transports: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
 @dataclass

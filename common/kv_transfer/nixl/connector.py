@@ -159,6 +159,7 @@ class NixlConnector(KVConnector):
                 "read": loads.seconds_a_request.copy(),
                 "write": pushes.seconds_a_request.copy(),
             },
+            peer_transports=self.worker.peer_transports(),
         )
 
     # -- peers -----------------------------------------------------------------------------------
