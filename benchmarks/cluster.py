@@ -17,13 +17,10 @@ import os
 import signal
 import sys
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
-import httpx
-
-from common.processes import Child, Supervisor
+from common.processes import Child, Supervisor, wait_ready
 from deploy.cluster import Cluster, LocalConfig, cluster_env, proxy_command, start_cluster
 from deploy.processes import ROOT, free_port
 
@@ -87,16 +84,10 @@ class Bench:
 
     def wait_ok(self, url: str, timeout: float = 300.0) -> None:
         """Until `url` answers 200; exits when a child has exited or the time is up."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.check_alive()
-            try:
-                if httpx.get(url, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        sys.exit(f"{url} not ready after {timeout:.0f}s; logs in {self.log_dir}")
+        try:
+            wait_ready(url, timeout, self.check_alive, interval_s=0.5)
+        except TimeoutError as e:
+            sys.exit(f"{e}; logs in {self.log_dir}")
 
     def check_alive(self) -> None:
         """Exit when a child has: a worker gone mid-study would fail every request after."""

@@ -1,8 +1,10 @@
 """Child processes that are started together, watched, and stopped together, and never outlive
 the process that started them.
 
-The one supervisor of the tree: deploy/local.py's cluster, the proxy's `--workers N`
-(proxy/processes.py) and the benchmarks start their children through it. It lives here, under
+The one process toolkit of the tree: deploy/local.py's cluster, the proxy's `--workers N`
+(proxy/processes.py), the benchmarks and the tests' servers (deploy/processes.py) start their
+children through `spawn` (a `Supervisor` when they are started and stopped together) and wait
+for them through `wait_ready`. It lives here, under
 the runtime's floor, because the proxy imports neither deploy/ nor torch and a tensor-parallel
 rank (common/parallel/) needs the parent-death signal too; this module imports neither.
 
@@ -17,6 +19,8 @@ rank (common/parallel/) needs the parent-death signal too; this module imports n
 - **Stopping.** `stop()` is SIGTERM to every group, a grace period (the workers drain), then
   SIGKILL to the groups still alive; idempotent, and it also runs at exit. A supervisor that
   runs its own loop (the proxy's) uses the parts: `signal_all`, `kill_running`.
+- **Ready.** `wait_ready(url)` polls until the URL answers 200, giving up when the caller's
+  `check` raises (a child exited) or the time is up: the one wait-until-ready loop.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import functools
 import os
 import signal
 import subprocess
@@ -35,13 +40,16 @@ from pathlib import Path
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# loaded here, not in the child between fork and exec: a thread of this process (a test's
+# server, a client) may hold the loader's lock at the fork
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
     """Ask Linux to send `sig` to this process when its parent (the thread that started it)
     ends, SIGKILL included; exit now if `parent_pid` is already gone. A no-op elsewhere."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, sig)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 
@@ -101,6 +109,69 @@ class Child:
         return "\n".join(lines[-num_lines:])
 
 
+def spawn(
+    name: str,
+    cmd: list[str],
+    *,
+    url: str = "",
+    log_path: Path | None = None,
+    env: dict[str, str] | None = None,
+    pass_fds: tuple[int, ...] = (),
+    cwd: Path | None = None,
+) -> Child:
+    """Start `cmd` as a child of this process (its own session, SIGTERM when this process
+    dies), its output appended to `log_path` (else this process's), with `env` (else this
+    process's environment)."""
+    with contextlib.ExitStack() as stack:
+        log = stack.enter_context(open(log_path, "ab")) if log_path else None  # noqa: SIM115
+        stack.enter_context(stop_signals_held())
+        popen = subprocess.Popen(
+            cmd,
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT if log else None,
+            pass_fds=pass_fds,
+            start_new_session=True,
+            preexec_fn=_child_setup(),  # NOTE: runs between fork and exec: no imports, no locks
+        )
+    return Child(name, url, log_path, popen)
+
+
+def wait_ready(
+    url: str, timeout_s: float, check: Callable[[], None] = lambda: None, interval_s: float = 0.1
+) -> None:
+    """Until GET `url` answers 200. `check` runs before each try and raises to give up (a child
+    has exited); TimeoutError once `timeout_s` seconds have passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        check()
+        if _answers_ok(url):
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{url} not ready in {timeout_s:.0f} s")
+        time.sleep(interval_s)
+
+
+def _answers_ok(url: str) -> bool:
+    import httpx  # NOTE: here, not above: a tensor-parallel rank imports this module to start
+
+    try:
+        return httpx.get(url, timeout=2, verify=tls_context()).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@functools.cache
+def tls_context():
+    """One TLS context for every poll: httpx builds one a call otherwise, parsing certifi's
+    bundle again (~20 ms of CPU, against ~1 ms for the request itself on loopback)."""
+    import httpx
+
+    return httpx.create_ssl_context()
+
+
 class Supervisor:
     """Starts children, reports the first one that exits, and stops them all."""
 
@@ -124,21 +195,16 @@ class Supervisor:
     ) -> Child:
         """Start `cmd` (its output to `log_path`, else this process's); `env` replaces the
         supervisor's for this child."""
-        with contextlib.ExitStack() as stack:
-            log = stack.enter_context(open(log_path, "ab")) if log_path else None  # noqa: SIM115
-            stack.enter_context(stop_signals_held())  # a stop signal finds the child listed
-            popen = subprocess.Popen(
+        with stop_signals_held():  # a stop signal finds the child listed
+            child = spawn(
+                name,
                 cmd,
+                url=url,
+                log_path=log_path,
                 env=self.env if env is None else env,
-                cwd=cwd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT if log else None,
                 pass_fds=pass_fds,
-                start_new_session=True,
-                preexec_fn=_child_setup(),  # safe: no supervisor starts threads before it
+                cwd=cwd,
             )
-            child = Child(name, url, log_path, popen)
             self.children.append(child)
         return child
 

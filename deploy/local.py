@@ -44,6 +44,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from common import processes
 from common.processes import STOP_SIGNALS, Child, Supervisor
 from deploy.cluster import (
     DEFAULT_MODEL,
@@ -114,13 +115,6 @@ class Progress:
         sys.stderr.flush()
 
 
-def is_ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/ready", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def load_failure(child: Child) -> str | None:
     """A worker's own report that its model failed to load (it stays up, answering 503)."""
     try:
@@ -141,14 +135,17 @@ def check_children(sup: Supervisor) -> None:
 
 def wait_ready(sup: Supervisor, proxy: Child, timeout_s: float) -> None:
     progress = Progress(f"{proxy.url}/ready")
+
+    def check() -> None:
+        check_children(sup)
+        progress.tick()
+
     try:
-        while not is_ready(proxy.url):
-            check_children(sup)
-            if progress.elapsed_s > timeout_s:
-                raise TimeoutError(f"not ready in {timeout_s:.0f} s (--ready-timeout)")
-            progress.tick()
-            time.sleep(0.5)
-    except (ChildFailed, TimeoutError):
+        processes.wait_ready(f"{proxy.url}/ready", timeout_s, check, interval_s=0.5)
+    except TimeoutError:
+        progress.finish("failed")
+        raise TimeoutError(f"not ready in {timeout_s:.0f} s (--ready-timeout)") from None
+    except ChildFailed:
         progress.finish("failed")
         raise
     progress.finish("ready")

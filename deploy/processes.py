@@ -2,12 +2,14 @@
 
 `ServerProcess` is one worker or proxy: started at once, `wait_ready` for /health (or /ready),
 `metric` reads /metrics, `stop`/`restart` by signal. `free_port` is the one way the tree picks a
-port for a server it starts later. The supervisor that starts and stops a whole cluster is
-common/processes.py's.
+port for a server it starts later. Starting, waiting and killing are common/processes.py's: each
+server leads its own session and dies with the process that started it (a test run killed
+leaves no worker behind), and a kill reaches its whole group.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -19,9 +21,10 @@ from pathlib import Path
 
 import httpx
 
-# one TLS context for every poll: httpx builds one a call otherwise, parsing certifi's bundle
-# again (~20 ms of CPU, against ~1 ms for the request itself on loopback)
-TLS = httpx.create_ssl_context()
+from common import processes
+from common.processes import Child
+
+TLS = processes.tls_context()
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,35 +67,41 @@ class ServerProcess:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 — closed in stop()
-        self.proc = self._spawn()
+        log_path.write_bytes(b"")
+        self.child = self._spawn()
 
-    def _spawn(self) -> subprocess.Popen:
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.child.popen
+
+    def command(self) -> list[str]:
         module = "proxy" if self.role == "proxy" else f"{self.role}_server"
-        cmd = [sys.executable, "-m", module, "--port", str(self.port), *self.args]
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        return [sys.executable, "-m", module, "--port", str(self.port), *self.args]
+
+    def _spawn(self) -> Child:
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        cmd = self.command()
+        return processes.spawn(
+            self.role, cmd, url=self.url, log_path=self.log_path, env=env, cwd=ROOT
+        )
 
     def restart(self, sig: int = signal.SIGKILL) -> ServerProcess:
         """Stop the process (SIGKILL by default) and start a new one on the same port with the
         same arguments (a worker's new process has a new engine id); not waited for."""
         self.stop(sig)
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 — closed in stop()
-        self.proc = self._spawn()
+        self.child = self._spawn()
         return self
 
     def wait_ready(self, timeout: float = 120.0, path: str = "/health") -> ServerProcess:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}{path}", timeout=1, verify=TLS).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"server not ready in {timeout}s:\n{self.log()}")
+        try:
+            processes.wait_ready(f"{self.url}{path}", timeout, self._check_running)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}:\n{self.log()}") from None
+        return self
+
+    def _check_running(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log()}")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
@@ -101,16 +110,15 @@ class ServerProcess:
         return metric(self.url, name, default)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """`sig` to the server (SIGTERM drains it), up to `timeout` s for it to exit, then
+        SIGKILL to its whole group; its exit status."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             self.proc.send_signal(signal.SIGCONT)  # a frozen process acts on it only once thawed
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
+            self.child.send(signal.SIGKILL)  # itself if still running, and what it left behind
+        return self.proc.wait()
 
 
 def metric(url: str, name: str, default: float | None = None) -> float:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -23,7 +21,7 @@ import httpx
 import uvicorn
 
 from benchmarks.proxy_stubs import read_body
-from deploy.processes import ROOT, ServerProcess
+from deploy.processes import ServerProcess
 
 
 def make_app(chunk_delay: float):
@@ -85,12 +83,10 @@ class StubWorkers(ServerProcess):
     def url_of(self, host: str) -> str:
         return f"http://{host}:{self.port}"
 
-    def _spawn(self) -> subprocess.Popen:
+    def command(self) -> list[str]:
         hosts = [a for h in self.hosts for a in ("--host", h)]
         cmd = [sys.executable, "-m", "tests.stub_worker", "--port", str(self.port), *hosts]
-        cmd += ["--chunk-delay", str(self.chunk_delay)]
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        return [*cmd, "--chunk-delay", str(self.chunk_delay)]
 
     def wait_ready(self, timeout: float = 60.0, path: str = "/health") -> StubWorkers:
         for host in self.hosts:

@@ -15,7 +15,6 @@ log must show NIXL transfers with none failed. Exit 0 when all hold; the logs st
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import re
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.vllm_cpu import ensure_nixl, ensure_vllm, server_command
+from common import processes
 from common.model.default_model import default_model_dir
 from common.processes import Supervisor
 from deploy.processes import free_port
@@ -48,14 +48,11 @@ def start_vllm(sup: Supervisor, python: Path, model: Path, role: str, port: int,
 
 
 def wait_ready(url: str, path: str, sup: Supervisor, deadline: float) -> None:
-    while time.monotonic() < deadline:
+    def check() -> None:
         if (child := sup.first_exited()) is not None:
             raise RuntimeError(f"{child.name} exited ({child.exit_code}) before {url} was ready")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
-                return
-        time.sleep(1)
-    raise TimeoutError(f"{url}{path} not ready in time")
+
+    processes.wait_ready(f"{url}{path}", deadline - time.monotonic(), check, interval_s=1)
 
 
 def ask(url: str, prompt: str, stream: bool) -> str:
