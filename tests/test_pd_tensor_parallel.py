@@ -4,7 +4,7 @@ processes: P at TP 2 to D at TP 1 and P at TP 1 to D at TP 2 (and 2 to 2), pulle
 Each TP-2 worker's rank 1 is a process of its own; rank 0's NIXL agent moves every rank's heads
 (common/parallel/kv_shards.py): where the two sides split the heads differently, a pull reads
 P's blocks whole into a staging buffer and copies the heads into D's shards, a push gathers
-P's heads into D's layout and writes them whole (staging.py).
+P's heads into D's layout and writes them whole (kv_transfer/nixl/staging.py).
 Every answer equals what a TP-1 worker computes alone, came from the transferred KV (no
 recompute), and every block comes back on both sides. A mismatch the transfer cannot bridge
 (another block size) is refused at handshake, naming both sides.

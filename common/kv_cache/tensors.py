@@ -8,7 +8,7 @@ On CPU the tensors live in transparent huge pages (2 MiB, `madvise`): UCX's cma 
 (process_vm_readv/writev) pins and walks the source and target pages on every transfer, and
 moves the same KV about 2x as fast when they are huge pages (benchmarks/bench_transfer.py
 compares both in one run). Where the kernel gives none, they are plain pages. The layers are
-views of one mapping, so NIXL registers them as one region (nixl_transport.py).
+views of one mapping, so NIXL registers them as one region (kv_transfer/nixl/transport.py).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from common.arch_config import ArchConfig
     from common.config import EngineConfig
 
-PROTOCOL_VERSION = 3  # 2: push notifications per chunk (reservations.py); 3: TP shards
+PROTOCOL_VERSION = 3  # 2: push notifications per chunk (nixl/reservations.py); 3: TP shards
 
 
 class HandshakeInfo(BaseModel):
