@@ -13,11 +13,14 @@ from __future__ import annotations
 import itertools
 import logging
 import re
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from common.api.metrics import ServerMetrics
+from common.engine.stats import engine_stats
+from common.kv_transfer.base import KVTransferStats
 from common.kv_transfer.nixl import transport_info
 from common.kv_transfer.nixl.transport_info import UcxLog, WatchedAgent
 from tests.test_pd_pull import complete, prefill, prompts
@@ -267,11 +270,32 @@ def test_ucx_warnings_are_passed_on(tmp_path, caplog):
 
 
 def test_metrics_show_one_sample_per_peer_and_transport():
+    """/metrics reads the report from the connector's stats (`KVTransferStats.peer_transports`,
+    through the engine's), not from NIXL's module."""
     used = frozenset({"cuda_ipc", "cuda_copy"})
-    transport_info._REPORTS[("local", "z-peer")] = {"read": (used, "")}
-    try:
-        text = ServerMetrics("decode").render(None).decode()
-    finally:
-        del transport_info._REPORTS[("local", "z-peer")]
+    kv = KVTransferStats(peer_transports={"z-peer": used})
+    engine = SimpleNamespace(  # what engine_stats reads of an engine
+        scheduler=SimpleNamespace(running=[], waiting=[], num_preemptions=0),
+        pool=SimpleNamespace(num_used_blocks=0, num_free_blocks=0, num_queries=0, num_hits=0),
+        runner=SimpleNamespace(graphs=None),
+        grammars=SimpleNamespace(stats=SimpleNamespace(snapshot=lambda: ({}, {}))),
+        connector=SimpleNamespace(stats_snapshot=lambda: kv),
+    )
+    text = ServerMetrics("decode").render(engine_stats(engine, None)).decode()
     samples = [m.groups() for line in text.splitlines() if (m := SAMPLE.match(line))]
     assert ("z-peer", "cuda_ipc") in samples and ("z-peer", "cuda_copy") in samples
+
+
+def test_a_transport_sees_only_its_own_agents_peers():
+    reports = {
+        ("a1", "p-1"): {"read": (frozenset({"cma"}), "")},
+        ("a2", "p-2"): {"write": (frozenset(), "")},
+    }
+    transport_info._REPORTS.update(reports)
+    try:
+        assert transport_info.snapshot("a1") == {"p-1": {"cma"}}
+        assert transport_info.snapshot("a2") == {"p-2": {transport_info.UNKNOWN}}
+        assert {"p-1", "p-2"} <= set(transport_info.snapshot())  # the process's, for the GPU check
+    finally:
+        for key in reports:
+            del transport_info._REPORTS[key]

@@ -11,7 +11,6 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 from common.engine.stats import EngineStats
 from common.engine.structured import GrammarSeconds
-from common.kv_transfer.nixl import transport_info
 from common.kv_transfer.transfers import DescriptorHistogram, RunningHistogram, SecondsHistogram
 from common.native.choice import choices as kernel_choices
 
@@ -102,7 +101,11 @@ class _KernelCollector:
 class _TransportCollector:
     """`pdserve_kv_transport_info{peer, transport}` = 1: the UCX transports of the KV READs or
     WRITEs this worker initiates with each peer, as UCX reported its choice
-    (common/kv_transfer/nixl/transport_info.py)."""
+    (common/kv_transfer/nixl/transport_info.py), read from the connector's last stats
+    (`KVTransferStats.peer_transports`) at each scrape."""
+
+    def __init__(self) -> None:
+        self.peers: dict[str, frozenset[str]] = {}
 
     def collect(self):
         family = GaugeMetricFamily(
@@ -112,7 +115,7 @@ class _TransportCollector:
             " (RDMA), tcp; unknown when UCX did not say",
             labels=["peer", "transport"],
         )
-        for peer, transports in sorted(transport_info.snapshot().items()):
+        for peer, transports in sorted(self.peers.items()):
             for transport in sorted(transports):
                 family.add_metric([peer, transport], 1)
         yield family
@@ -313,7 +316,8 @@ class ServerMetrics:
         self.handshakes = Counter(
             "pdserve_kv_handshakes", "Handshakes with a new KV peer", registry=r
         )
-        r.register(_TransportCollector())
+        self.peer_transports = _TransportCollector()
+        r.register(self.peer_transports)
         r.register(_KernelCollector())
 
     def set_cpu(self, num_threads: int, num_cores: int) -> None:
@@ -347,4 +351,5 @@ class ServerMetrics:
                 delta = getattr(stats, name) - counter._value.get()
                 if delta > 0:
                     counter.inc(delta)
+            self.peer_transports.peers = stats.kv_peer_transports
         return generate_latest(self.registry)

@@ -40,6 +40,7 @@ class EngineStats:
     kv_events_dropped: int = 0  # KV event batches the publisher's queue had no room for
     kv_descriptors: dict[str, DescriptorHistogram] = field(default_factory=dict)  # read | write
     kv_seconds: dict[str, SecondsHistogram] = field(default_factory=dict)  # read | write
+    kv_peer_transports: dict[str, frozenset[str]] = field(default_factory=dict)  # by peer
     grammar_seconds: dict[str, RunningHistogram] = field(default_factory=dict)  # compile | mask
     grammar_refusals: dict[str, int] = field(default_factory=dict)  # by reason (structured.py)
 
@@ -79,6 +80,7 @@ def engine_stats(engine, kv_events) -> EngineStats:
         kv_events_dropped=kv_events.num_dropped if kv_events is not None else 0,
         kv_descriptors=kv.descriptors,
         kv_seconds=kv.seconds,
+        kv_peer_transports=kv.peer_transports,
         grammar_seconds=grammar_seconds,
         grammar_refusals=grammar_refusals,
     )
