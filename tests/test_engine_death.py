@@ -8,8 +8,8 @@ import contextlib
 import httpx
 
 from common.api.state import ENGINE_DEAD_EXIT_CODE
-from common.engine.async_engine import FAULT_STEP_ENV
-from tests.servers import ServerProcess, wait_until
+from tests.engine_fault import FaultyWorker
+from tests.servers import wait_until
 
 
 def assert_503(r: httpx.Response) -> None:
@@ -18,10 +18,10 @@ def assert_503(r: httpx.Response) -> None:
     assert set(err) == {"message", "type", "param", "code"} and "engine" in err["message"]
 
 
-def test_a_dead_engine_fails_requests_and_exits_non_zero(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.setenv(FAULT_STEP_ENV, "4")  # the 4th step raises: mid-stream of the request
+def test_a_dead_engine_fails_requests_and_exits_non_zero(tiny_model, tmp_path):
     args = ["--model", str(tiny_model("llama")), "--num-blocks", "64"]
-    server = ServerProcess("prefill", args, tmp_path / "prefill.log")
+    # the 4th step raises: mid-stream of the request
+    server = FaultyWorker("prefill", args, tmp_path / "prefill.log", step=4)
     try:
         server.wait_ready()
         body = dict(prompt="hello there", max_tokens=64, ignore_eos=True, stream=True)

@@ -32,17 +32,12 @@ KV events: with `engine.config.kv_events` on, the thread attaches a collector to
 and publishes what the prefix cache recorded after every step (and after commands and transfer
 polls while idle, which can evict or reset too) as one batch; the publisher is closed when
 the thread ends.
-
-Test hook: with `PDSERVE_FAULT_ENGINE_STEP=N` in the environment, the N-th engine step (1-based)
-raises `InjectedFaultError` instead of running, which kills the thread as a real fault would.
-Unset (production), it costs one integer comparison per step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -61,15 +56,8 @@ from common.kv_cache.events import KVEventCollector
 logger = logging.getLogger(__name__)
 
 
-FAULT_STEP_ENV = "PDSERVE_FAULT_ENGINE_STEP"
-
-
 class EngineDeadError(RuntimeError):
     """The engine thread failed; no request can be served."""
-
-
-class InjectedFaultError(RuntimeError):
-    """The step named by `PDSERVE_FAULT_ENGINE_STEP` failed on purpose (a test hook)."""
 
 
 class AsyncEngine:
@@ -102,9 +90,7 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self.stats = EngineStats()
         self._num_pending = 0  # added, not yet seen by the scheduler
-        self._num_steps = 0
         self.num_arrival_waits = 0  # idle steps that waited for requests on their way
-        self._fault_step: int | None = None  # the test hook, read when the thread starts
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -223,7 +209,6 @@ class AsyncEngine:
 
     def _run(self, built: Future) -> None:
         try:
-            self._fault_step = _fault_step_from_env()
             self.num_threads = set_torch_threads(self._num_threads_wanted)
             self.engine = self._factory()
             self.engine.watch_ranks(lambda error: self._submit(_raiser(error), None))
@@ -291,9 +276,6 @@ class AsyncEngine:
             self._drain_commands()
 
     def _step(self) -> None:
-        self._num_steps += 1
-        if self._num_steps == self._fault_step:
-            raise InjectedFaultError(f"{FAULT_STEP_ENV}={self._fault_step}: this step fails")
         self._publish(self.engine.step())
         self._publish_kv_events()
 
@@ -343,16 +325,6 @@ class AsyncEngine:
 
     def _refresh_stats(self) -> None:
         self.stats = engine_stats(self.engine, self.kv_events)
-
-
-def _fault_step_from_env() -> int | None:
-    """The step `PDSERVE_FAULT_ENGINE_STEP` makes fail (a test hook), None when unset."""
-    value = os.environ.get(FAULT_STEP_ENV, "").strip()
-    if not value:
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{FAULT_STEP_ENV} must be a step number >= 1, got {value!r}")
-    return int(value)
 
 
 def _raiser(error: BaseException) -> Callable[[], None]:
