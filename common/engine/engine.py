@@ -67,7 +67,9 @@ ConnectorFactory = Callable[[TransferConfig, int, BlockPool], KVConnector | None
 class LLMEngine:
     def __init__(self, config: EngineConfig, make_connector: ConnectorFactory = create_connector):
         """`make_connector(transfer config, block size, pool)`: the KV connector, from the
-        registry by default (`TransferConfig.connector`); tests give one of their own."""
+        registry by default (`TransferConfig.connector`); tests give a fake of their own. The
+        tensor-parallel ranks share their KV with rank 0 when `TransferConfig.connector` names
+        one, whoever makes it."""
         self.config = config
         mc, cc = config.model, config.cache
         model_dir = mc.model_dir
@@ -90,8 +92,7 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}: raise num_blocks / kv_cache_memory or lower "
                 "max_model_len"
             )
-        moves_kv = config.transfer.connector is not None or make_connector is not create_connector
-        share = self.arch if moves_kv else None
+        share = self.arch if config.transfer.connector is not None else None
         self.ranks = self.tp and start_ranks(
             config, dtype, self.max_model_len, self.num_blocks, RANK_MAIN, share
         )
