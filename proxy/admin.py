@@ -7,7 +7,7 @@ set they are refused, so an open proxy cannot be reconfigured by its clients.
 - `POST /admin/workers` `{"role": "prefill"|"decode", "url"}`: added, checked at once
 - `POST /admin/workers/drain` `{"url", "migrate"?}`: no new requests; running ones finish, or
   with `"migrate": true` move at once to other decode workers and continue there
-  (proxy/migration.py)
+  (proxy/journey/migration.py)
 - `POST /admin/workers/remove` `{"url"}`: gone from routing (running requests finish, then its
   client closes). A worker found by DNS comes back while its address still resolves.
 

@@ -35,7 +35,7 @@ from common.tracing import NO_TRACE, start_trace
 from proxy.admin import install_admin_routes
 from proxy.admission import HeldResponse, Slot
 from proxy.config import ProxyConfig
-from proxy.orchestrator import UpstreamAPIError
+from proxy.journey.calls import UpstreamAPIError
 from proxy.processes import ProcessInfo
 from proxy.request import CHAT_PATH, COMPLETIONS_PATH, GENERATION_PATHS, ProxyRequest
 from proxy.siblings import merge_metrics

@@ -5,9 +5,9 @@ health checks eject it, `cut(worker)` ends every call waiting on it with `Worker
 `UpstreamError`), and the orchestrator retries the request like any failed prefill. A call
 whose own request is cancelled (its client left) is cancelled as usual: the two never look alike.
 Decode streams register a callback (`watch`): an ejection, or a drain with migration
-(`cut(worker, "drain")`), calls it, and the stream moves to another worker (proxy/migration.py)
-where one can take it; a decode call or stream with nowhere to go keeps waiting on its worker
-(a frozen D that thaws still answers), bounded by its timeout.
+(`cut(worker, "drain")`), calls it, and the stream moves to another worker
+(proxy/journey/migration.py) where one can take it; a decode call or stream with nowhere to go
+keeps waiting on its worker (a frozen D that thaws still answers), bounded by its timeout.
 """
 
 from __future__ import annotations

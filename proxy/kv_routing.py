@@ -25,7 +25,7 @@ For a request, when a pool it may use has a worker with events (proxy/kv_events.
 4. **The reverse pull** (`reverse_gain`): when the chosen D holds a longer prefix of the prompt
    than P (an earlier turn's answer, which D generated and P never saw) by at least
    `--reverse-pull-min-tokens`, P reads those blocks from D instead of computing them
-   (proxy/orchestrator.py leases them on D first).
+   (proxy/journey/prefill.py leases them on D first).
 
 A request with a `cache_salt` shares blocks only with its salt's: it is routed as if no worker
 had events (`kv_fallbacks_total{reason="cache_salt"}`), so no hit is ever claimed across salts.

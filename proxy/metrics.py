@@ -13,7 +13,7 @@ and `pdserve_proxy_prefix_query_blocks{role}` (the prompts' full blocks),
 `pdserve_proxy_kv_fallbacks_total{reason}`, `pdserve_proxy_render_seconds`,
 `pdserve_proxy_kv_index_blocks{role, url}`; and what P itself reports in each answer's usage:
 `pdserve_proxy_prefill_cached_tokens` of `pdserve_proxy_prefill_prompt_tokens`. Migration
-(proxy/migration.py): `pdserve_proxy_migrations_total{reason}` (`connection`, `timeout`,
+(proxy/journey/migration.py): `pdserve_proxy_migrations_total{reason}` (`connection`, `timeout`,
 `error_event`, `ejected`, `drain`, `truncated`), `pdserve_proxy_migrations_refused_total{reason}`
 (`limit`, `no_decode`, `untracked`, `rejected`, `unsupported`: a worker that does not
 say it continued) and

@@ -138,7 +138,7 @@ class ProxyRequest:
 
     def decode_body(self, kv_transfer_params: dict | None, track: bool = False) -> bytes:
         """To D: the client's body, P's params added; `track`: with the token ids of every
-        chunk, which a migration carries over (proxy/migration.py removes them again)."""
+        chunk, which a migration carries over (proxy/journey/client.py removes them again)."""
         has_ids = self.body.get("return_token_ids") is True
         if kv_transfer_params is None and (has_ids or not track):
             return self.raw

@@ -1,6 +1,6 @@
 """Server-sent events the proxy writes itself: P's first token as the stream's first chunk(s),
 and an error event when an upstream fails after the stream has begun. D's events pass through
-proxy/migration.py, which reads them.
+proxy/journey/relay.py, which reads them.
 """
 
 from __future__ import annotations

@@ -25,8 +25,10 @@ from common.api.errors import (
     fault_of,
 )
 from common.engine.output import RequestOutput
+from proxy.journey.client import ClientStream
+from proxy.journey.migration import Migration
+from proxy.journey.relay import Relay
 from proxy.metrics import ProxyMetrics
-from proxy.migration import ClientStream, MigratingRelay
 from proxy.request import COMPLETIONS_PATH, ProxyRequest
 from proxy.sse import error_event, passed_on_event
 from proxy.upstream import UpstreamError
@@ -128,11 +130,13 @@ def test_an_engine_error_names_its_fault():
     assert RequestOutput(*head).error_code is None
 
 
-def _relay() -> MigratingRelay:
+def _relay() -> Relay:
     body = {"prompt": "hi", "stream": True}
     req = ProxyRequest(COMPLETIONS_PATH, body, json.dumps(body).encode(), "r1")
-    orch = SimpleNamespace(cfg=SimpleNamespace(migration_limit=3), metrics=ProxyMetrics({}))
-    return MigratingRelay(orch, req, ClientStream(req))
+    client, metrics = ClientStream(req), ProxyMetrics({})
+    planner = SimpleNamespace(cfg=SimpleNamespace(migration_limit=3))
+    migration = Migration(req, client, planner, None, None, None, metrics)
+    return Relay(req, client, migration, None, None, None, None, metrics)
 
 
 @pytest.mark.parametrize(
@@ -155,7 +159,7 @@ def test_a_decode_streams_error_event_is_final_only_when_it_is_the_requests_faul
     assert why == failure
     assert (sent == raw + b"\n\n") if failure == "request_fault" else sent is None
     fault = "request" if failure == "request_fault" else "worker"
-    counted = relay.orch.metrics.registry.get_sample_value(
+    counted = relay.metrics.registry.get_sample_value(
         "pdserve_proxy_upstream_faults_total", {"role": "decode", "fault": fault}
     )
     assert counted == 1

@@ -305,15 +305,15 @@ def test_merged_metrics_sum_amounts_and_take_the_largest_view():
 
 def feed(client, payload: dict) -> dict | None:
     """One of D's chunks through a ClientStream: what the client gets of it, as JSON."""
-    from proxy.migration import _read_view
+    from proxy.journey.client import read_view
 
     data = json.dumps(payload, separators=(",", ":")).encode()
-    out = client.accept(data, _read_view(data))
+    out = client.accept(data, read_view(data))
     return None if out is None else json.loads(out[len(b"data: ") :])
 
 
 def test_client_stream_tracks_what_the_client_has_and_rewrites_a_continuation():
-    from proxy.migration import ClientStream
+    from proxy.journey.client import ClientStream
 
     raw = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2,
                       "stream_options": {"include_usage": True}}).encode()  # fmt: skip
@@ -341,7 +341,7 @@ def test_client_stream_tracks_what_the_client_has_and_rewrites_a_continuation():
 
 
 def test_client_stream_without_token_ids_cannot_move():
-    from proxy.migration import ClientStream
+    from proxy.journey.client import ClientStream
 
     client = ClientStream(ProxyRequest.parse(COMPLETIONS_PATH, b'{"prompt": "a"}', "r"))
     feed(client, {"id": "c", "created": 1, "choices": [{"index": 0, "text": "b"}]})
@@ -353,7 +353,7 @@ def test_client_stream_without_token_ids_cannot_move():
 def test_p_first_token_without_ids_for_the_client_still_moves():
     """P's first token as the proxy streams it: its id only in `token_id` (the client did not
     ask for ids); the stream stays movable, and the token counts."""
-    from proxy.migration import ClientStream
+    from proxy.journey.client import ClientStream
 
     req = ProxyRequest.parse(COMPLETIONS_PATH, b'{"prompt": "a", "stream": true}', "r")
     client = ClientStream(req)
@@ -364,19 +364,19 @@ def test_p_first_token_without_ids_for_the_client_still_moves():
 
 
 def test_client_stream_passes_d_bytes_on_with_only_the_ids_cut():
-    from proxy.migration import ClientStream, _read_view
+    from proxy.journey.client import ClientStream, read_view
 
     client = ClientStream(ProxyRequest.parse(COMPLETIONS_PATH, b'{"prompt": "a"}', "r"))
     data = b'{"id":"c","created":1,"choices":[{"index":0,"text":"h\\u00e9","token_ids":[5,6]}]}'
-    out = client.accept(data, _read_view(data))
+    out = client.accept(data, read_view(data))
     assert out == b'data: {"id":"c","created":1,"choices":[{"index":0,"text":"h\\u00e9"}]}\n\n'
     assert client.choices[0].token_ids == [5, 6] and client.choices[0].num_chars == 2
     spaced = b'{"id": "c", "choices": [{"index": 0, "text": "x", "token_ids": [7]}]}'
-    again = json.loads(client.accept(spaced, _read_view(spaced))[len(b"data: ") :])
+    again = json.loads(client.accept(spaced, read_view(spaced))[len(b"data: ") :])
     assert again["choices"] == [{"index": 0, "text": "x"}]  # not D's layout: written anew
     assert client.choices[0].token_ids == [5, 6, 7] and client.is_tracked
     done = b'{"id":"c","choices":[{"index":0,"text":"","token_ids":[],"finish_reason":"stop"}]}'
-    client.accept(done, _read_view(done))
+    client.accept(done, read_view(done))
     assert client.unfinished == []
 
 
@@ -408,18 +408,18 @@ def test_a_failed_worker_is_out_of_a_requests_way_until_it_comes_back():
 
 
 def test_a_moved_request_waits_for_a_decode_worker_coming_back():
-    """`choose_soon`: with no routable D it waits up to the health checks' readmission time
+    """`Planner.choose_soon`: with no routable D it waits up to the health checks' readmission time
     (interval x (successes + 1)) for one, then gives up with a 503."""
     from common.api.errors import UnavailableError
-    from proxy.orchestrator import Orchestrator
+    from proxy.journey.plan import Planner
     from proxy.workers import WorkerPool
 
     cfg = from_dict({"decode": ["http://d:1"], "health": {"interval": 0.2}})
     (d,) = workers(1)
     pool = WorkerPool("decode")
     pool.add(d)
-    orch = Orchestrator.__new__(Orchestrator)  # the parts choose_soon uses
-    orch.cfg, orch.pools, orch.policies = cfg, {"decode": pool}, {"decode": RoundRobin()}
+    planner = Planner.__new__(Planner)  # the parts choose_soon uses
+    planner.cfg, planner.pools, planner.policies = cfg, {"decode": pool}, {"decode": RoundRobin()}
     req = ProxyRequest.parse(COMPLETIONS_PATH, b'{"prompt": "hi"}', "r")
 
     async def back_after(seconds: float) -> None:
@@ -428,12 +428,12 @@ def test_a_moved_request_waits_for_a_decode_worker_coming_back():
 
     async def main():
         comes_back = asyncio.create_task(back_after(0.15))
-        assert await orch.choose_soon("decode", req) is d  # waited for it
+        assert await planner.choose_soon("decode", req) is d  # waited for it
         await comes_back
         d.eject("gone for good")
         started = asyncio.get_running_loop().time()
         with pytest.raises(UnavailableError):
-            await orch.choose_soon("decode", req)
+            await planner.choose_soon("decode", req)
         assert asyncio.get_running_loop().time() - started >= 0.35  # 0.2 x (1 + 1), then 503
 
     asyncio.run(main())

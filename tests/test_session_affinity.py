@@ -1,7 +1,7 @@
 """Session affinity (proxy/sessions.py): the requests of one `X-Session-ID` stay on one worker,
 within the load bound; a new session hashes to the same worker in every proxy process.
 
-The choice on its own and through `Orchestrator.choose` (retries' exclusions, no header, the
+The choice on its own and through `Planner.choose` (retries' exclusions, no header, the
 flag), then the proxy in front of two real decode workers, read from the workers' own counters.
 """
 
@@ -119,7 +119,7 @@ def test_the_session_header_is_read_trimmed_and_capped():
     assert long.session_id == "x" * MAX_SESSION_ID_CHARS
 
 
-# -- through Orchestrator.choose ------------------------------------------------------------------
+# -- through Planner.choose -----------------------------------------------------------------------
 class NoFeeds:
     """KVEventFeeds' face to the router: no worker publishes KV events."""
 
@@ -144,22 +144,22 @@ def request(session: str | None) -> ProxyRequest:
 def test_the_orchestrator_keeps_a_session_and_a_retry_still_leaves_the_failed_worker_out():
     orch, ws = orchestrator(3)
     alice = request("alice")
-    home = orch.choose("decode", alice)
-    assert {orch.choose("decode", alice) for _ in range(4)} == {home}
-    retried = orch.choose("decode", alice, tried=(home,))
+    home = orch.planner.choose("decode", alice)
+    assert {orch.planner.choose("decode", alice) for _ in range(4)} == {home}
+    retried = orch.planner.choose("decode", alice, tried=(home,))
     assert retried is not home
-    assert orch.choose("decode", alice) is retried  # the session follows its last worker
+    assert orch.planner.choose("decode", alice) is retried  # the session follows its last worker
     home.is_healthy = False
-    assert orch.choose("decode", request("bob"), tried=(retried,)) not in (home, retried)
+    assert orch.planner.choose("decode", request("bob"), tried=(retried,)) not in (home, retried)
 
 
 def test_without_the_header_or_with_the_flag_off_the_policy_decides_as_before():
     orch, ws = orchestrator(3)
-    assert [orch.choose("decode", request(None)) for _ in range(6)] == ws * 2  # round robin
-    assert len(orch.sessions["decode"]) == 0
+    assert [orch.planner.choose("decode", request(None)) for _ in range(6)] == ws * 2  # round robin
+    assert len(orch.planner.sessions["decode"]) == 0
     off, ws = orchestrator(3, session_affinity=False)
-    assert [off.choose("decode", request("alice")) for _ in range(6)] == ws * 2
-    assert len(off.sessions["decode"]) == 0
+    assert [off.planner.choose("decode", request("alice")) for _ in range(6)] == ws * 2
+    assert len(off.planner.sessions["decode"]) == 0
 
 
 # -- the proxy in front of two decode workers ---------------------------------------------------
