@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -28,15 +27,14 @@ from common.api.routes import install_openai_routes
 from common.api.server_config import ServerConfig
 from common.api.state import ServerState
 from common.cpu import available_cores, format_cpu_list
-from common.engine.async_engine import EngineDeadError
-from common.engine.engine import LLMEngine
+from common.engine.client import EngineDeadError, EngineFactory
 from common.native.choice import summary as kernel_paths
 from common.tracing import setup_tracing
 
 logger = logging.getLogger(__name__)
 
 
-def build_app(cfg: ServerConfig, engine_factory: Callable[[], LLMEngine]) -> FastAPI:
+def build_app(cfg: ServerConfig, engine_factory: EngineFactory) -> FastAPI:
     state = ServerState(cfg, engine_factory)
 
     @asynccontextmanager
@@ -113,7 +111,7 @@ def _install_basic_routes(app: FastAPI, state: ServerState) -> None:
                     "object": "model",
                     "created": state.started_at,
                     "owned_by": "pdserve",
-                    "max_model_len": engine.engine.max_model_len,
+                    "max_model_len": engine.max_model_len,
                 }
             ],
         }

@@ -37,7 +37,7 @@ from common.api.serving import (
 )
 from common.api.state import ServerState
 from common.api.tools import ToolCallReader, get_parser, parser_for_template
-from common.engine.engine import LLMEngine
+from common.engine.client import EngineClient
 from common.tokenizer import Tokenizer
 
 
@@ -46,7 +46,7 @@ async def create_chat_completion(
 ) -> Response:
     engine = state.require_ready()
     state.check_model(req.model)
-    prompt = await prepare_chat(state, engine.engine, req)
+    prompt = await prepare_chat(state, engine, req)
     job = Job(new_request_id(request), prompt.token_ids, prompt.params, choice_offset=0)
     job.resume = await resolve_resume(state, request, req.resume, [prompt])
     job.kv_transfer_params = await resolve_kv_params(state, req.kv_transfer_params, request)
@@ -64,14 +64,14 @@ async def create_chat_completion(
 
 
 async def prepare_chat(
-    state: ServerState, llm: LLMEngine, req: ChatCompletionRequest
+    state: ServerState, engine: EngineClient, req: ChatCompletionRequest
 ) -> PreparedPrompt:
     """What the engine runs for the messages, validated (400 if bad): the chat template's token
     ids and the sampling params. /v1/chat/completions/render answers with the same."""
-    ids = await state.run_blocking(_prompt_ids, llm.tokenizer, req)
-    params = req.to_sampling_params(llm.max_model_len - len(ids))
-    validate_params(params, llm.arch.vocab_size)
-    await check_structured(state, llm, params, req.structured_param)
+    ids = await state.run_blocking(_prompt_ids, engine.tokenizer, req)
+    params = req.to_sampling_params(engine.max_model_len - len(ids))
+    validate_params(params, engine.vocab_size)
+    await check_structured(engine, params, req.structured_param)
     return PreparedPrompt(ids, params)
 
 
@@ -82,7 +82,7 @@ def _prompt_ids(tokenizer: Tokenizer, req: ChatCompletionRequest) -> list[int]:
 
 def _tool_reader(state: ServerState, req: ChatCompletionRequest) -> ToolCallReader:
     """How one choice's output is read for the request's tool choice."""
-    template = state.engine.engine.tokenizer.chat_template
+    template = state.engine.tokenizer.chat_template
     name = state.cfg.tool_call_parser or parser_for_template(template)
     return ToolCallReader(req.tool_choice_mode, get_parser(name))
 
@@ -90,7 +90,7 @@ def _tool_reader(state: ServerState, req: ChatCompletionRequest) -> ToolCallRead
 def _response(
     state: ServerState, req: ChatCompletionRequest, response_id: str, job: Job, items: list
 ) -> dict:
-    tokenizer = state.engine.engine.tokenizer
+    tokenizer = state.engine.tokenizer
     finals = {c.index: c for _, out in items for c in out.outputs}
     answers = {
         i: _tool_reader(state, req).whole(c.text, c.finish_reason) for i, c in finals.items()
@@ -126,7 +126,7 @@ async def _stream(
     job: Job,
     outputs: AsyncIterator,
 ) -> AsyncIterator[str]:
-    tokenizer = state.engine.engine.tokenizer
+    tokenizer = state.engine.tokenizer
     started: set[int] = set()
     readers: dict[int, ToolCallReader] = {}  # per choice: content and tool calls
     num_tokens = num_tokens_sent_before(job)

@@ -40,7 +40,7 @@ from common.api.serving import (
     wants_usage,
 )
 from common.api.state import ServerState
-from common.engine.engine import LLMEngine
+from common.engine.client import EngineClient
 
 
 async def create_completion(
@@ -48,7 +48,7 @@ async def create_completion(
 ) -> Response:
     engine = state.require_ready()
     state.check_model(req.model)
-    prepared = await prepare_prompts(state, engine.engine, req)
+    prepared = await prepare_prompts(state, engine, req)
     jobs = [
         Job(new_request_id(request), p.token_ids, p.params, choice_offset=i * req.n)
         for i, p in enumerate(prepared)
@@ -73,31 +73,31 @@ async def create_completion(
 
 
 async def prepare_prompts(
-    state: ServerState, llm: LLMEngine, req: CompletionRequest
+    state: ServerState, engine: EngineClient, req: CompletionRequest
 ) -> list[PreparedPrompt]:
     """What the engine runs for each prompt, validated (400 if bad): its token ids and sampling
     params. /v1/completions/render answers with the same."""
     prepared = []
     for prompt in req.prompts:
-        ids = await state.run_blocking(_prompt_ids, llm, prompt)
-        params = req.to_sampling_params(llm.max_model_len - len(ids))
-        validate_params(params, llm.arch.vocab_size)
-        await check_structured(state, llm, params, req.structured_param)
+        ids = await state.run_blocking(_prompt_ids, engine, prompt)
+        params = req.to_sampling_params(engine.max_model_len - len(ids))
+        validate_params(params, engine.vocab_size)
+        await check_structured(engine, params, req.structured_param)
         prepared.append(PreparedPrompt(ids, params))
     return prepared
 
 
-def _prompt_ids(llm: LLMEngine, prompt: str | list[int]) -> list[int]:
+def _prompt_ids(engine: EngineClient, prompt: str | list[int]) -> list[int]:
     """The prompt's token ids, each in the vocabulary (400 if not). Blocking: tokenizes."""
-    ids = llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    check_token_ids(ids, llm.arch.vocab_size, "prompt")
+    ids = engine.tokenize(prompt)
+    check_token_ids(ids, engine.vocab_size, "prompt")
     return ids
 
 
 def _response(
     state: ServerState, req: CompletionRequest, response_id: str, jobs: list[Job], items: list
 ) -> dict:
-    tokenizer = state.engine.engine.tokenizer
+    tokenizer = state.engine.tokenizer
     finals = {}
     for job, out in items:
         for c in out.outputs:
@@ -137,7 +137,7 @@ async def _stream(
     jobs: list[Job],
     outputs: AsyncIterator,
 ) -> AsyncIterator[str]:
-    tokenizer = state.engine.engine.tokenizer
+    tokenizer = state.engine.tokenizer
     num_chars: dict[int, int] = {}  # text offset per choice (a resumed one: from the client's)
     num_tokens = num_tokens_sent_before(jobs[0])
     created = int(time.time())  # one for every chunk of the stream, as OpenAI and vLLM

@@ -19,13 +19,12 @@
 With `--internal-token`, every internal route refuses a request without the header
 `X-Internal-Token: TOKEN` (401), and this worker sends it to its peers.
 
-This worker's own handshake is served here; meeting a peer's (fetch, check, add) is
-common/kv_transfer/peers.py's, which a generation request reaches through api/kv_params.py.
+Every route reaches the engine through its client (common/engine/client.py), this worker's
+own handshake included; meeting a peer's (fetch, check, add) is the client's too, which a
+generation request reaches through api/kv_params.py.
 """
 
 from __future__ import annotations
-
-import asyncio
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field, ValidationError
@@ -46,13 +45,8 @@ from common.api.protocol import (
 from common.api.server_config import TOKEN_HEADER
 from common.api.state import ServerState
 from common.credentials import is_same_secret
-from common.kv_cache.block_pool import NoFreeBlocksError
-from common.kv_transfer.handshake import (
-    HandshakeInfo,
-    compat_hash,
-    encode_metadata,
-    local_compat,
-)
+from common.engine.client import EngineClient, NoFreeBlocksError
+from common.kv_transfer.handshake import HandshakeInfo
 
 
 class ReleaseRequest(BaseModel):
@@ -80,19 +74,10 @@ def check_internal_token(state: ServerState, request: Request) -> None:
 def local_handshake(state: ServerState) -> HandshakeInfo:
     """What a peer needs to move KV with this worker. Blocking (reads the model folder): the
     route runs it in the tokenize pool."""
-    engine = state.require_ready().engine
-    info = engine.connector and engine.connector.peer_info()
+    info = state.require_ready().handshake_info()
     if info is None:
         raise NotFoundError("this worker has no KV connector (--kv-connector none)")
-    fields = local_compat(engine.config, engine.arch)
-    return HandshakeInfo(
-        engine_id=engine.config.transfer.engine_id,
-        protocol_version=fields["protocol_version"],
-        compat_hash=compat_hash(fields),
-        compat=fields,
-        layout=info.layout,
-        agent_metadata=encode_metadata(info.metadata),
-    )
+    return info
 
 
 def kv_events_source(state: ServerState) -> dict:
@@ -102,7 +87,7 @@ def kv_events_source(state: ServerState) -> dict:
     (a host that is not a wildcard: a broker the router must know about itself) or publishes
     in-process; the replay endpoint is null without one. The engine id is new at each start:
     a router's index of this worker's blocks starts over when it changes."""
-    config = state.require_ready().engine.config
+    config = state.require_ready().config
     events, host = config.kv_events, config.transfer.advertise_host
     endpoint = _connectable(events.endpoint, host) if _is_bound(events.endpoint) else None
     replay = _connectable(events.replay_endpoint, host) if endpoint else None
@@ -138,8 +123,7 @@ def install_internal_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/internal/kv/peers")
     async def peers(request: Request):
         check_internal_token(state, request)
-        _, connector = _connector(state)
-        return {"num_peers": connector.num_peers}
+        return {"num_peers": _with_connector(state).num_peers}
 
     @app.get("/internal/kv/handshake")
     async def handshake(request: Request):
@@ -150,65 +134,55 @@ def install_internal_routes(app: FastAPI, state: ServerState) -> None:
     async def release(request: Request):
         check_internal_token(state, request)
         body = _parse(ReleaseRequest, await read_json_body(request, 4096))
-        engine, connector = _connector(state)
+        engine = _with_connector(state)
         if body.reservation_id is not None:
-            fn, key = connector.release_reservation, body.reservation_id
+            released = await engine.release_reservation(body.reservation_id)
         elif body.request_id is not None:
-            fn, key = connector.release_lease, body.request_id
+            released = await engine.release_lease(body.request_id)
         else:
             raise InvalidRequestError("give request_id or reservation_id", param="request_id")
-        return {"released": bool(await asyncio.wrap_future(engine.call(fn, key)))}
+        return {"released": bool(released)}
 
     @app.post("/internal/kv/reserve", openapi_extra=json_body_openapi(ReserveRequest))
     async def reserve(request: Request):
         check_internal_token(state, request)
         body = _parse(ReserveRequest, await read_json_body(request, state.cfg.max_body_bytes))
-        engine, connector = _connector(state)
-        num_tokens, token_ids, salt = await state.run_blocking(_prompt_tokens, engine.engine, body)
-        if num_tokens >= engine.engine.max_model_len:  # never admitted: no use holding blocks
+        engine = _with_connector(state)
+        num_tokens, token_ids, salt = await state.run_blocking(_prompt_tokens, engine, body)
+        if num_tokens >= engine.max_model_len:  # never admitted: no use holding blocks
             raise InvalidRequestError(
                 f"a prompt of {num_tokens} tokens leaves no room in max_model_len "
-                f"{engine.engine.max_model_len}",
+                f"{engine.max_model_len}",
                 param="num_tokens",
             )
         try:
-            reserve = engine.engine.reserve_push
-            res = await asyncio.wrap_future(engine.call(reserve, num_tokens, token_ids, salt))
+            target = await engine.reserve_push(num_tokens, token_ids, salt)
         except NoFreeBlocksError as e:
             raise UnavailableError(
                 f"no KV blocks to reserve: {e}", headers={"Retry-After": "1"}
             ) from e
-        cfg = engine.engine.config.transfer
-        return {
-            "engine_id": cfg.engine_id,
-            "reservation_id": res.reservation_id,
-            "block_ids": [b.block_id for b in res.blocks],
-            "host": cfg.advertise_host,
-            "port": cfg.advertise_port,
-            "write_by": res.write_by,  # P writes nothing after this (unix time, our clock)
-            "num_held_blocks": res.num_held,  # cached here already: P writes the rest
-        }
+        return target.to_dict()  # the push_to a prefill worker writes into
 
     @app.post("/internal/kv/lease", openapi_extra=json_body_openapi(LeaseRequest))
     async def lease(request: Request):
         check_internal_token(state, request)
         body = _parse(LeaseRequest, await read_json_body(request, state.cfg.max_body_bytes))
-        engine, _ = _connector(state)
-        if len(body.token_ids) > engine.engine.max_model_len:
+        engine = _with_connector(state)
+        if len(body.token_ids) > engine.max_model_len:
             raise InvalidRequestError(
                 f"{len(body.token_ids)} token ids are more than max_model_len "
-                f"{engine.engine.max_model_len}",
+                f"{engine.max_model_len}",
                 param="token_ids",
             )
-        _check_token_ids(body.token_ids, engine.engine.arch.vocab_size, "token_ids")
-        lease = engine.engine.lease_prefix
-        params = await asyncio.wrap_future(engine.call(lease, body.token_ids, body.cache_salt))
-        block_size = engine.engine.config.cache.block_size
-        num_tokens = len(params["remote_block_ids"]) * block_size if params else 0
+        _check_token_ids(body.token_ids, engine.vocab_size, "token_ids")
+        params = await engine.lease_prefix(body.token_ids, body.cache_salt)
+        num_tokens = len(params["remote_block_ids"]) * engine.block_size if params else 0
         return {"kv_transfer_params": params, "num_tokens": num_tokens}
 
 
-def _prompt_tokens(llm, body: ReserveRequest) -> tuple[int, list[int] | None, str | None]:
+def _prompt_tokens(
+    engine: EngineClient, body: ReserveRequest
+) -> tuple[int, list[int] | None, str | None]:
     """The prompt's length in tokens, its token ids (None when only the length is given) and
     its `cache_salt`; 400 for a bad body. Blocking (tokenizes, renders chat templates): the route
     runs it in the tokenize pool."""
@@ -219,14 +193,14 @@ def _prompt_tokens(llm, body: ReserveRequest) -> tuple[int, list[int] | None, st
         if len(req.prompts) != 1:
             raise InvalidRequestError("a push reserves for a single prompt", param="completion")
         prompt = req.prompts[0]
-        ids = llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = engine.tokenize(prompt)
     elif body.chat is not None:
         req = parse_request(ChatCompletionRequest, body.chat)
-        text = req.render_prompt(llm.tokenizer)
-        ids = llm.tokenizer.encode(text, add_special_tokens=False)
+        text = req.render_prompt(engine.tokenizer)
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
     else:
         raise InvalidRequestError("give num_tokens, completion or chat", param="num_tokens")
-    _check_token_ids(ids, llm.arch.vocab_size, "completion.prompt")
+    _check_token_ids(ids, engine.vocab_size, "completion.prompt")
     return len(ids), ids, req.cache_salt
 
 
@@ -245,9 +219,8 @@ def _parse(model, body: dict):
         raise InvalidRequestError(first["msg"], param=".".join(map(str, first["loc"]))) from e
 
 
-def _connector(state: ServerState):
+def _with_connector(state: ServerState) -> EngineClient:
     engine = state.require_ready()
-    connector = engine.engine.connector
-    if connector is None:
+    if not engine.has_connector:
         raise NotFoundError("this worker has no KV connector (--kv-connector none)")
-    return engine, connector
+    return engine

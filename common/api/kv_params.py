@@ -2,17 +2,16 @@
 once per request.
 
 Params that name a peer (a prefill worker to read from, a decode worker to push into) are parsed
-strictly (400 if malformed) and the peer made known (`Peers.ensure`, common/kv_transfer/peers.py:
-a handshake the first time). A peer whose KV differs is a 400 that names what differs. A prefill
-worker that cannot be reached is computed here instead under `--kv-load-failure-policy
-recompute`, else a 503; a decode worker that cannot be pushed into is a 503; a decode worker
-whose prompt prefix P was to read (the reverse pull) is computed here instead, whatever the
-policy.
+strictly (400 if malformed) and the peer made known (`EngineClient.ensure_peer`: a handshake the
+first time). A peer whose KV differs is a 400 that names what differs. A decode worker that
+cannot be pushed into is a 503. A worker to read from that cannot be reached is the failure
+policy's to judge (`EngineClient.remote_unreachable`, common/kv_transfer/remote_prefills.py):
+its prompt computed here instead (a prefill worker's under `--kv-load-failure-policy
+recompute`, a decode worker's prompt prefix whatever the policy), else a 503.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -22,6 +21,7 @@ from fastapi import Request
 from common.api.errors import InvalidRequestError, UnavailableError
 from common.api.internal import check_internal_token
 from common.api.state import ServerState
+from common.engine.client import EngineClient, PeerIncompatible, PeerUnreachable
 from common.kv_transfer.params import (
     KVTransferParamsError,
     RemotePrefill,
@@ -30,9 +30,6 @@ from common.kv_transfer.params import (
     wants_remote_prefill,
     without_prefix,
 )
-from common.kv_transfer.peers import PeerIncompatible, Peers, PeerUnreachable
-
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -52,17 +49,17 @@ async def resolve_kv_params(state: ServerState, raw: dict | None, request: Reque
         return raw
     if not wants_remote_prefill(raw):
         return raw
-    remote = _parse(RemotePrefill.parse, raw, state.require_ready().engine.arch.vocab_size)
-    peers = _peers(state)
+    remote = _parse(RemotePrefill.parse, raw, state.require_ready().vocab_size)
+    engine = _peers(state)
     if remote.push_reservation_id:  # pushed: nothing to read from P
         return raw
     where = (remote.remote_engine_id, remote.remote_host, remote.remote_port)
-    why = await _reach(peers, *where, request)
-    if why is not None and remote.prefix_only:  # a decode worker's prefix: computed here
-        logger.warning("%s: computing the prompt's prefix here", why)
-        state.metrics.recomputed.labels(reason="prefix_unreachable").inc()
-        return without_prefix(raw)
-    return raw if why is None else _unreachable(state, remote, why)
+    why = await _reach(engine, *where, request)
+    if why is None:
+        return raw
+    if not await engine.remote_unreachable(remote, why):
+        raise UnavailableError(f"the prompt's KV cannot be loaded: {why}")
+    return without_prefix(raw) if remote.prefix_only else None
 
 
 def _parse(parse: Callable[..., T], *args) -> T:
@@ -72,36 +69,27 @@ def _parse(parse: Callable[..., T], *args) -> T:
         raise InvalidRequestError(str(e), param="kv_transfer_params") from e
 
 
-def _peers(state: ServerState) -> Peers:
-    if state.peers is None:
+def _peers(state: ServerState) -> EngineClient:
+    """The engine, which must move KV to meet a peer: 400 otherwise."""
+    engine = state.require_ready()
+    if not engine.has_connector:
         raise InvalidRequestError(
             "this worker has no KV connector for kv_transfer_params", param="kv_transfer_params"
         )
-    return state.peers
+    return engine
 
 
 async def _reach(
-    peers: Peers, engine_id: str, host: str, port: int, request: Request
+    engine: EngineClient, engine_id: str, host: str, port: int, request: Request
 ) -> str | None:
     """Why the peer cannot be reached, or None once it is known; 400 if incompatible. When the
     request waited for a handshake, when it did is `request.state.handshake_ns` (its trace)."""
     started = time.time_ns()
     try:
-        if await peers.ensure(engine_id, host, port):
+        if await engine.ensure_peer(engine_id, host, port):
             request.state.handshake_ns = (started, time.time_ns())
     except PeerIncompatible as e:
         raise InvalidRequestError(str(e), param="kv_transfer_params") from e
     except PeerUnreachable as e:
         return str(e)
     return None
-
-
-def _unreachable(state: ServerState, remote: RemotePrefill, why: str) -> None:
-    # NOTE: a first token the client already has cannot be recomputed into the same stream
-    if state.engine.engine.config.transfer.failure_policy == "recompute" and not (
-        remote.first_token_streamed and remote.first_token_id is not None
-    ):
-        logger.warning("%s: computing the prompt locally", why)
-        state.metrics.recomputed.labels(reason="prefill_unreachable").inc()
-        return None
-    raise UnavailableError(f"the prompt's KV cannot be loaded: {why}")

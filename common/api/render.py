@@ -68,7 +68,7 @@ def install_render_routes(app: FastAPI, state: ServerState) -> None:
     @app.post(COMPLETIONS_RENDER, openapi_extra=json_body_openapi(CompletionRequest))
     async def render_completion(request: Request) -> list[RenderedRequest]:
         req = await _parse(state, request, CompletionRequest, COMPLETIONS_RENDER)
-        prompts = await prepare_prompts(state, state.require_ready().engine, req)
+        prompts = await prepare_prompts(state, state.require_ready(), req)
         base_id = f"cmpl-{request.state.request_id}"
         return [
             _rendered(f"{base_id}-{i}" if len(prompts) > 1 else base_id, prompt, req)
@@ -78,7 +78,7 @@ def install_render_routes(app: FastAPI, state: ServerState) -> None:
     @app.post(CHAT_RENDER, openapi_extra=json_body_openapi(ChatCompletionRequest))
     async def render_chat_completion(request: Request) -> RenderedRequest:
         req = await _parse(state, request, ChatCompletionRequest, CHAT_RENDER)
-        prompt = await prepare_chat(state, state.require_ready().engine, req)
+        prompt = await prepare_chat(state, state.require_ready(), req)
         return _rendered(f"chatcmpl-{request.state.request_id}", prompt, req)
 
 

@@ -20,7 +20,7 @@ from common.api.app import build_app
 from common.api.cli import parse_args
 from common.api.http_server import bounded_http
 from common.cpu import CpuBudget, pin_process, set_torch_interop_threads
-from common.engine.engine import LLMEngine
+from common.engine.client import engine_factory
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def main(role: str, argv: list[str] | None = None) -> None:
         level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     apply_cpu_budget(server_cfg.cpu)
-    app = build_app(server_cfg, lambda: LLMEngine(engine_cfg))
+    app = build_app(server_cfg, engine_factory(engine_cfg))
     config = uvicorn.Config(
         app,
         host=server_cfg.host,

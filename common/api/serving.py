@@ -11,7 +11,6 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from concurrent.futures import Future
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -29,12 +28,10 @@ from common.api.internal import check_internal_token
 from common.api.protocol import RESUMED_HEADER, ResumeParams
 from common.api.state import ServerState
 from common.api.traces import record_job, start_request_trace
-from common.engine.async_engine import AsyncEngine, EngineDeadError
-from common.engine.engine import LLMEngine
-from common.engine.output import RequestOutput, decoded_text
+from common.engine.client import EngineClient, EngineDeadError, GrammarError
+from common.engine.output import RequestOutput
 from common.engine.request import Resume
 from common.engine.sampling_params import SamplingParams
-from common.engine.structured import GrammarError
 from common.tracing import NO_TRACE, NoTrace, Trace
 
 
@@ -108,18 +105,18 @@ async def resolve_resume(
     if raw is None:
         return None
     check_internal_token(state, request)
-    llm = state.require_ready().engine
+    engine = state.require_ready()
     ids = raw.output_token_ids
     if len(prepared) != 1:
         raise InvalidRequestError("resume needs a single prompt", param="resume")
     prompt = prepared[0]
     resume = Resume(raw.choice_index, tuple(ids), raw.num_sent_chars)
     try:
-        llm.check_resume(prompt.token_ids, prompt.params, resume)
+        engine.check_resume(prompt.token_ids, prompt.params, resume)
     except ValueError as e:
         raise InvalidRequestError(str(e), param="resume") from e
     skip = prompt.params.skip_special_tokens
-    text = await state.run_blocking(decoded_text, llm.tokenizer, prompt.token_ids, ids, skip)
+    text = await state.run_blocking(engine.decoded_text, prompt.token_ids, ids, skip)
     if raw.num_sent_chars > len(text):
         raise InvalidRequestError(
             f"resume's num_sent_chars ({raw.num_sent_chars}) passes the {len(text)} characters "
@@ -137,7 +134,7 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
         )
 
 
-def admit(state: ServerState, engine: AsyncEngine, jobs: list[Job], request: Request) -> None:
+def admit(state: ServerState, engine: EngineClient, jobs: list[Job], request: Request) -> None:
     """Count the jobs as waiting from now on (the request no longer as arriving), or 429 if
     that passes `--max-waiting`."""
     num_waiting = engine.num_waiting + state.num_admitted
@@ -160,7 +157,7 @@ def new_request_id(request: Request) -> str:
 
 
 async def run_jobs(
-    state: ServerState, engine: AsyncEngine, jobs: list[Job]
+    state: ServerState, engine: EngineClient, jobs: list[Job]
 ) -> AsyncIterator[tuple[Job, RequestOutput]]:
     """Every job's outputs, as they come; the request's trace ends with the last."""
     try:
@@ -177,7 +174,7 @@ async def run_jobs(
 
 
 async def _merged(
-    state: ServerState, engine: AsyncEngine, jobs: list[Job]
+    state: ServerState, engine: EngineClient, jobs: list[Job]
 ) -> AsyncIterator[tuple[Job, RequestOutput]]:
     """Several jobs' outputs in one stream, as each comes."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -210,7 +207,7 @@ async def _merged(
 
 
 async def _one(
-    state: ServerState, engine: AsyncEngine, job: Job
+    state: ServerState, engine: EngineClient, job: Job
 ) -> AsyncIterator[tuple[Job, RequestOutput]]:
     m = state.metrics
     if job.admission is not None:  # from here on the engine counts it (no await in between)
@@ -307,32 +304,20 @@ def wants_usage(req) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
 
 
-async def check_structured(
-    state: ServerState, llm: LLMEngine, params: SamplingParams, param: str | None
-) -> None:
+async def check_structured(engine: EngineClient, params: SamplingParams, param: str | None) -> None:
     """A 400 naming `param`, the request's field, for a structured output that cannot compile,
     hits a grammar limit or does not compile within its budget, and one naming `n` for more
-    choices than a grammar may have; before any stream starts. The grammar compiles on the
-    compiler's own threads (cached for the engine); the event loop waits at most the budget."""
+    choices than a grammar may have; before any stream starts."""
     if params.structured is None:
         return
-    grammars = llm.grammars
     try:
-        grammars.check_rows(params.n)
+        engine.check_grammar_rows(params.n)
     except GrammarError as e:
         raise InvalidRequestError(str(e), param="n", code=e.code) from e
-    await _within(grammars.submit(params.structured), grammars.compile_budget)
     try:
-        grammars.check(params.structured, timeout=0)
+        await engine.compile_grammar(params.structured)
     except GrammarError as e:
         raise InvalidRequestError(str(e), param=param, code=e.code) from e
-
-
-async def _within(future: Future, seconds: float) -> None:
-    """Wait at most `seconds` for a thread's `future`, which goes on whatever happens here."""
-    waiter = asyncio.wrap_future(future)
-    waiter.add_done_callback(lambda f: f.cancelled() or f.exception())  # NOTE: read, not logged
-    await asyncio.wait([waiter], timeout=seconds)
 
 
 def validate_params(params: SamplingParams, vocab_size: int) -> None:

@@ -1,5 +1,6 @@
-"""What a worker's routes share (`ServerState`): its config, metrics, the engine once loaded,
-its KV peers, readiness, and the pool that runs blocking work off the event loop. The app
+"""What a worker's routes share (`ServerState`): its config, metrics, readiness, the engine's
+client once loaded (common/engine/client.py: the routes' one door to the engine, KV peers
+included), and the pool that runs blocking work off the event loop. The app
 (common/api/app.py) builds it; every route module imports it from here, so the imports point
 one way.
 
@@ -17,7 +18,6 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import TypeVar
 
 from fastapi import Request
@@ -27,10 +27,7 @@ from common.api.ignored_fields import IgnoredFields
 from common.api.metrics import ServerMetrics
 from common.api.server_config import ServerConfig
 from common.cpu import available_cores, format_cpu_list
-from common.engine.async_engine import AsyncEngine
-from common.engine.engine import LLMEngine
-from common.kv_transfer.handshake import local_compat
-from common.kv_transfer.peers import Peers
+from common.engine.client import EngineClient, EngineFactory
 
 logger = logging.getLogger(__name__)
 
@@ -41,16 +38,16 @@ ENGINE_DEAD_LINGER_S = 1.0  # /health answers 503 this long before the port clos
 
 
 class ServerState:
-    """What the routes share: config, metrics, the engine once it has loaded, and the small pool
-    that runs blocking work (tokenizing, chat templates, file reads) off the event loop."""
+    """What the routes share: config, metrics, readiness, the engine's client once the engine
+    has loaded, and the small pool that runs blocking work (tokenizing, chat templates, file
+    reads) off the event loop."""
 
-    def __init__(self, cfg: ServerConfig, engine_factory: Callable[[], LLMEngine]):
+    def __init__(self, cfg: ServerConfig, engine_factory: EngineFactory):
         self.cfg = cfg
         self.engine_factory = engine_factory
         self.metrics = ServerMetrics(cfg.role)
         self.ignored_fields = IgnoredFields(self.metrics.ignored_fields)
-        self.engine: AsyncEngine | None = None
-        self.peers: Peers | None = None  # with the engine, when it has a KV connector
+        self.engine: EngineClient | None = None  # once loaded
         self.model_name = cfg.served_model_name or "starting"
         self.load_error: BaseException | None = None
         self.is_draining = False
@@ -68,7 +65,7 @@ class ServerState:
     def is_ready(self) -> bool:
         return self.engine is not None and self.engine.is_alive and not self.is_draining
 
-    def require_ready(self) -> AsyncEngine:
+    def require_ready(self) -> EngineClient:
         if self.is_draining:
             raise UnavailableError(
                 "the server is draining and takes no new requests", headers={"Retry-After": "1"}
@@ -82,12 +79,14 @@ class ServerState:
 
     async def load(self) -> None:
         self.loop = asyncio.get_running_loop()
-        engine = AsyncEngine(
+        engine = EngineClient(
             self.engine_factory,
             on_death=self.engine_died,
             num_threads=self.cfg.cpu.effective_threads,
             on_the_way=self.num_on_the_way,
             arrival_wait=self.cfg.arrival_wait,
+            peer_headers=self.cfg.internal_headers,
+            on_handshake=self.metrics.handshakes.inc,
         )
         try:
             await engine.start()
@@ -96,11 +95,10 @@ class ServerState:
             self.load_error = e
             return
         if self.cfg.served_model_name is None:
-            self.model_name = Path(engine.engine.config.model.model_dir).name
-        self.peers = self._peers(engine)
+            self.model_name = engine.model_name
         self.engine = engine
         self.metrics.set_cpu(engine.num_threads, len(available_cores()))
-        compile_seconds = engine.engine.runner.compile_seconds
+        compile_seconds = engine.compile_seconds
         self.metrics.compile_seconds.set(compile_seconds)
         logger.info(
             "%s worker ready: model %s, %d torch threads on cores %s, %s",
@@ -109,18 +107,6 @@ class ServerState:
             engine.num_threads,
             format_cpu_list(available_cores()),
             f"compiled in {compile_seconds:.1f} s" if compile_seconds else "eager",
-        )
-
-    def _peers(self, engine: AsyncEngine) -> Peers | None:
-        llm = engine.engine
-        if llm.connector is None:
-            return None
-        return Peers(
-            llm.connector,
-            engine.call,
-            lambda: local_compat(llm.config, llm.arch),
-            self.cfg.internal_headers,
-            on_handshake=self.metrics.handshakes.inc,
         )
 
     def engine_died(self, error: BaseException) -> None:

@@ -8,7 +8,9 @@ D, a request whose prompt another worker computed (`add`):
   checks them (count and P's checksums) and is scheduled with its prompt computed; past
   `load_timeout`, or with a reservation gone, its KV is lost;
 - a first token from P that already ends it: nothing to load, the remote side is given back.
-Lost KV is recomputed locally or fails the request, by `failure_policy` (`_lose`: the one place).
+Lost KV is recomputed locally or fails the request, by `failure_policy` (`_recomputes`: the one
+place), whether it was lost after admission (`_lose`) or before, its peer unreachable
+(`unreachable`, asked by the HTTP layer through the EngineClient).
 P, a finished request whose KV is still being pushed: its output is held until the writes
 settle (`hold_sending`), with an error if one failed.
 Requests finished here, outside a step, are reported by the engine's next step (`take_ready`).
@@ -23,6 +25,7 @@ from typing import Protocol
 from common.config import TransferConfig
 from common.kv_cache.block_pool import Block, BlockPool
 from common.kv_transfer.base import KVConnector, KVLoss, Request
+from common.kv_transfer.params import RemotePrefill
 
 logger = logging.getLogger(__name__)
 
@@ -184,11 +187,33 @@ class RemotePrefills:
                 self._sending[req.request_id] = req
         return [req for req in changed if req.request_id not in self._sending]
 
+    # -- the failure policy ----------------------------------------------------------------------
+    def unreachable(self, remote: RemotePrefill, why: str) -> bool:
+        """Before admission: the worker that `remote` names could not be reached. True when
+        the prompt (P: D's prefix) is to be computed here instead, counted as such; False when
+        the request fails. A first token the client already has cannot be recomputed into the
+        same stream."""
+        if remote.prefix_only:
+            loss = KVLoss("prefix_unreachable", why, from_prefix=True)
+        else:
+            loss = KVLoss("prefill_unreachable", why)
+        streamed = remote.first_token_streamed and remote.first_token_id is not None
+        if (streamed and not loss.from_prefix) or not self._recomputes(loss):
+            return False
+        what = "the prompt's prefix" if remote.prefix_only else "the prompt"
+        logger.warning("%s: computing %s locally", loss, what)
+        self.connector.count_recomputed(loss.reason)
+        return True
+
+    def _recomputes(self, loss: KVLoss) -> bool:
+        """The policy: lost KV is computed here under `recompute`. A prefix P could not read
+        from D (the reverse pull) is computed here whatever the policy: the read only saves
+        work."""
+        return self.cfg.failure_policy == "recompute" or loss.from_prefix
+
     def _lose(self, req: Request, loss: KVLoss) -> None:
-        """The failure policy: compute the prompt here, or fail the request with why. A prefix
-        P could not read from D (the reverse pull) is computed here whatever the policy: the
-        read only saves work."""
-        if self.cfg.failure_policy == "recompute" or loss.from_prefix:
+        """Compute the prompt here, or fail the request with why, by the policy."""
+        if self._recomputes(loss):
             logger.warning("%s: computing %s locally", loss, req.request_id)
             self.connector.count_recomputed(loss.reason)
             self.queue.recompute(req)
