@@ -1,13 +1,16 @@
 """Prometheus metrics of one server, in its own registry (so tests can run several apps).
 
 Counters and histograms are recorded as requests run; the engine's gauges (running, waiting,
-KV blocks, prefix-cache hit rate) are read from the engine's last stats at scrape time.
+KV blocks, prefix-cache hit rate), and its running totals and histograms (KV transfers, grammar
+time), are read from the engine's last stats (`EngineStats`) at scrape time. A connector's
+totals (`KVTransferStats`) keep their field names up to here: `KV_TRANSFER_COUNTERS` and
+`KV_TRANSFER_GAUGES` say which metric reads which field.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from common.engine.stats import EngineStats
 from common.engine.structured import GrammarSeconds
@@ -46,13 +49,152 @@ RECOMPUTE_REASONS = (
 )
 
 
-def _catch_up(counter: Counter, label: str, totals: dict[str, int]) -> None:
-    """Bring a labelled counter up to the engine's running totals."""
-    for value, total in totals.items():
-        child = counter.labels(**{label: value})
-        delta = total - child._value.get()
-        if delta > 0:
-            child.inc(delta)
+# The connector's running totals (`KVTransferStats`, common/kv_transfer/base.py) on /metrics:
+# each counter's name, the field it reads, and its help. The one place a stat is named anew.
+KV_TRANSFER_COUNTERS = (
+    ("pdserve_kv_transfers", "num_loads", "KV loads from a prefill worker (one per request)"),
+    ("pdserve_kv_transfer_failures", "num_load_failures", "KV loads that failed or timed out"),
+    ("pdserve_kv_transfer_bytes", "num_bytes_loaded", "Bytes of KV loaded over NIXL"),
+    (
+        "pdserve_kv_transfer_seconds",
+        "seconds_loading",
+        "Seconds from the first read issued to the load done",
+    ),
+    (
+        "pdserve_kv_transfer_descriptors",
+        "num_load_descriptors",
+        "NIXL descriptors in KV loads (one per run per K/V per layer)",
+    ),
+    (
+        "pdserve_kv_lease_expiries",
+        "num_lease_expiries",
+        "Held prefill blocks freed because their lease expired",
+    ),
+    ("pdserve_kv_push_bytes", "num_bytes_pushed", "Bytes of KV pushed (WRITE) to decode workers"),
+    (
+        "pdserve_kv_push_seconds",
+        "seconds_pushing",
+        "Seconds from a step's first KV WRITE to its last landing",
+    ),
+    (
+        "pdserve_kv_push_exposed_seconds",
+        "seconds_push_exposed",
+        "Of kv_push_seconds, the part after the forward",
+    ),
+    (
+        "pdserve_kv_push_failures",
+        "num_push_failures",
+        "Pushes that failed: P, requests with a failed KV WRITE; D, reservations given up or"
+        " expired before every chunk landed",
+    ),
+    (
+        "pdserve_kv_checksum_failures",
+        "num_checksum_failures",
+        "KV loads whose checksum did not match P's",
+    ),
+    (
+        "pdserve_kv_push_held_blocks",
+        "num_push_blocks_held",
+        "Blocks of pushed prompts a decode worker had cached already (an earlier turn's),"
+        " reserved from its own cache and not written by P",
+    ),
+)
+# ... and its gauges
+KV_TRANSFER_GAUGES = (
+    (
+        "pdserve_kv_blocks_held",
+        "num_blocks_held",
+        "Blocks held for remote readers (P: prompts for D; D: prefixes lent to P)",
+    ),
+    (
+        "pdserve_kv_blocks_in_transfer",
+        "num_blocks_in_transfer",
+        "KV blocks a NIXL transfer still reads or writes (held until it settles)",
+    ),
+    (
+        "pdserve_kv_blocks_quarantined",
+        "num_blocks_quarantined",
+        "KV blocks given up by their request but held until transfers into them settle",
+    ),
+    (
+        "pdserve_kv_pushes_in_flight",
+        "num_pushes_in_flight",
+        "Prefill worker: push requests whose KV writes have not all settled",
+    ),
+)
+
+
+class _EngineTotalsCollector:
+    """The engine's running totals, read from its last stats at each scrape: the connector's
+    counters and gauges (the tables above), requests by where their KV came from, the
+    transports its peers use, KV event batches dropped, grammar refusals. Every label value a
+    counter can take is there from the start, at 0."""
+
+    def __init__(self) -> None:
+        self.stats = EngineStats()
+
+    def collect(self):
+        stats, kv = self.stats, self.stats.kv
+        for name, field_name, doc in KV_TRANSFER_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=getattr(kv, field_name))
+        for name, field_name, doc in KV_TRANSFER_GAUGES:
+            yield GaugeMetricFamily(name, doc, value=getattr(kv, field_name))
+        yield CounterMetricFamily(
+            "pdserve_kv_events_dropped",
+            "KV event batches dropped because the publisher's queue was full",
+            value=stats.num_kv_events_dropped,
+        )
+        yield _by_label(
+            "pdserve_kv_loaded_requests",
+            "Requests computed from transferred KV, by mode: pull, push (decode worker), "
+            "reverse (prefill worker, a prompt prefix read from a decode worker)",
+            "mode",
+            LOAD_MODES,
+            kv.loaded_requests,
+        )
+        yield _by_label(
+            "pdserve_kv_recomputed",
+            "Requests whose transferred KV (prompt, or prefix on a prefill worker) was "
+            "computed here instead, by reason",
+            "reason",
+            RECOMPUTE_REASONS,
+            kv.recomputed,
+        )
+        yield _by_label(
+            "pdserve_grammar_refusals",
+            "Requests refused at admission, or ended, for their grammar's cost, by reason:"
+            " compile_budget, compile_limit, rows, mask_budget, stream_limit (docs/security.md)",
+            "reason",
+            (),
+            stats.grammar_refusals,
+        )
+        yield _transports(kv.peer_transports)
+
+
+def _transports(peer_transports: dict[str, frozenset[str]]) -> GaugeMetricFamily:
+    """`pdserve_kv_transport_info{peer, transport}` = 1: the transports of the KV READs or
+    WRITEs this worker initiates with each peer, as the connector's transport reported them
+    (NIXL: UCX's choice, common/kv_transfer/nixl/transport_info.py)."""
+    family = GaugeMetricFamily(
+        "pdserve_kv_transport_info",
+        "UCX transports of the KV transfers this worker initiates with a NIXL peer (1 each),"
+        " as UCX reported its choice: cuda_ipc (NVLink/PCIe), cma (host memory), rc_*"
+        " (RDMA), tcp; unknown when UCX did not say",
+        labels=["peer", "transport"],
+    )
+    for peer, transports in sorted(peer_transports.items()):
+        for transport in sorted(transports):
+            family.add_metric([peer, transport], 1)
+    return family
+
+
+def _by_label(
+    name: str, doc: str, label: str, known: tuple[str, ...], totals: dict[str, int]
+) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for value in sorted(set(known) | set(totals)):
+        family.add_metric([value], totals.get(value, 0))
+    return family
 
 
 class _RunningHistogramCollector:
@@ -95,29 +237,6 @@ class _KernelCollector:
         )
         for choice in kernel_choices():
             family.add_metric([choice.kernel, choice.shape, choice.path], 1)
-        yield family
-
-
-class _TransportCollector:
-    """`pdserve_kv_transport_info{peer, transport}` = 1: the UCX transports of the KV READs or
-    WRITEs this worker initiates with each peer, as UCX reported its choice
-    (common/kv_transfer/nixl/transport_info.py), read from the connector's last stats
-    (`KVTransferStats.peer_transports`) at each scrape."""
-
-    def __init__(self) -> None:
-        self.peers: dict[str, frozenset[str]] = {}
-
-    def collect(self):
-        family = GaugeMetricFamily(
-            "pdserve_kv_transport_info",
-            "UCX transports of the KV transfers this worker initiates with a NIXL peer (1 each),"
-            " as UCX reported its choice: cuda_ipc (NVLink/PCIe), cma (host memory), rc_*"
-            " (RDMA), tcp; unknown when UCX did not say",
-            labels=["peer", "transport"],
-        )
-        for peer, transports in sorted(self.peers.items()):
-            for transport in sorted(transports):
-                family.add_metric([peer, transport], 1)
         yield family
 
 
@@ -196,76 +315,6 @@ class ServerMetrics:
             "--cuda-graph-sizes: run through the graphs' static buffers)",
             registry=r,
         )
-        self.transfer_counters = {
-            name: Counter(f"pdserve_{name}", doc, registry=r)
-            for name, doc in (
-                ("kv_transfers", "KV loads from a prefill worker (one per request)"),
-                ("kv_transfer_failures", "KV loads that failed or timed out"),
-                ("kv_transfer_bytes", "Bytes of KV loaded over NIXL"),
-                ("kv_transfer_seconds", "Seconds from the first read issued to the load done"),
-                (
-                    "kv_transfer_descriptors",
-                    "NIXL descriptors in KV loads (one per run per K/V per layer)",
-                ),
-                ("kv_lease_expiries", "Held prefill blocks freed because their lease expired"),
-                ("kv_push_bytes", "Bytes of KV pushed (WRITE) to decode workers"),
-                ("kv_push_seconds", "Seconds from a step's first KV WRITE to its last landing"),
-                ("kv_push_exposed_seconds", "Of kv_push_seconds, the part after the forward"),
-                (
-                    "kv_push_failures",
-                    "Pushes that failed: P, requests with a failed KV WRITE; D, reservations"
-                    " given up or expired before every chunk landed",
-                ),
-                ("kv_checksum_failures", "KV loads whose checksum did not match P's"),
-                (
-                    "kv_push_held_blocks",
-                    "Blocks of pushed prompts a decode worker had cached already (an earlier"
-                    " turn's), reserved from its own cache and not written by P",
-                ),
-                (
-                    "kv_events_dropped",
-                    "KV event batches dropped because the publisher's queue was full",
-                ),
-            )
-        }
-        self.blocks_held = Gauge(
-            "pdserve_kv_blocks_held",
-            "Blocks held for remote readers (P: prompts for D; D: prefixes lent to P)",
-            registry=r,
-        )
-        self.blocks_in_transfer = Gauge(
-            "pdserve_kv_blocks_in_transfer",
-            "KV blocks a NIXL transfer still reads or writes (held until it settles)",
-            registry=r,
-        )
-        self.blocks_quarantined = Gauge(
-            "pdserve_kv_blocks_quarantined",
-            "KV blocks given up by their request but held until transfers into them settle",
-            registry=r,
-        )
-        self.pushes_in_flight = Gauge(
-            "pdserve_kv_pushes_in_flight",
-            "Prefill worker: push requests whose KV writes have not all settled",
-            registry=r,
-        )
-        self.loaded_requests = Counter(
-            "pdserve_kv_loaded_requests",
-            "Requests computed from transferred KV, by mode: pull, push (decode worker), "
-            "reverse (prefill worker, a prompt prefix read from a decode worker)",
-            ["mode"],
-            registry=r,
-        )
-        self.recomputed = Counter(
-            "pdserve_kv_recomputed",
-            "Requests whose transferred KV (prompt, or prefix on a prefill worker) was "
-            "computed here instead, by reason",
-            ["reason"],
-            registry=r,
-        )
-        for mode in LOAD_MODES:
-            self.loaded_requests.labels(mode=mode)
-        for reason in RECOMPUTE_REASONS:
-            self.recomputed.labels(reason=reason)
         self.info = Gauge("pdserve_info", "Server role", ["role"], registry=r)
         self.info.labels(**labels).set(1)
         self.role = role
@@ -306,18 +355,11 @@ class ServerMetrics:
             ops=("compile", "mask"),
         )
         r.register(self.grammar_seconds)
-        self.grammar_refusals = Counter(
-            "pdserve_grammar_refusals",
-            "Requests refused at admission, or ended, for their grammar's cost, by reason:"
-            " compile_budget, compile_limit, rows, mask_budget, stream_limit (docs/security.md)",
-            ["reason"],
-            registry=r,
-        )
         self.handshakes = Counter(
             "pdserve_kv_handshakes", "Handshakes with a new KV peer", registry=r
         )
-        self.peer_transports = _TransportCollector()
-        r.register(self.peer_transports)
+        self.totals = _EngineTotalsCollector()
+        r.register(self.totals)
         r.register(_KernelCollector())
 
     def set_cpu(self, num_threads: int, num_cores: int) -> None:
@@ -337,19 +379,8 @@ class ServerMetrics:
             self.hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0)
             self.preemptions.set(stats.num_preemptions)
             self.graph_steps.set(stats.num_graph_steps)
-            self.blocks_held.set(stats.kv_blocks_held)
-            self.blocks_in_transfer.set(stats.kv_blocks_in_transfer)
-            self.blocks_quarantined.set(stats.kv_blocks_quarantined)
-            self.pushes_in_flight.set(stats.kv_pushes_in_flight)
-            _catch_up(self.loaded_requests, "mode", stats.kv_loaded_requests)
-            _catch_up(self.recomputed, "reason", stats.kv_recomputed)
-            self.descriptors.histograms = stats.kv_descriptors
-            self.transfer_seconds.histograms = stats.kv_seconds
+            self.descriptors.histograms = stats.kv.descriptors
+            self.transfer_seconds.histograms = stats.kv.seconds
             self.grammar_seconds.histograms = stats.grammar_seconds
-            _catch_up(self.grammar_refusals, "reason", stats.grammar_refusals)
-            for name, counter in self.transfer_counters.items():
-                delta = getattr(stats, name) - counter._value.get()
-                if delta > 0:
-                    counter.inc(delta)
-            self.peer_transports.peers = stats.kv_peer_transports
+            self.totals.stats = stats
         return generate_latest(self.registry)
