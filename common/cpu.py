@@ -23,6 +23,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from common.settings import Settings
+
 
 def parse_cpu_list(text: str) -> frozenset[int]:
     """'0-1' or '0,2' or '0-3,8' (Linux's cpu-list syntax) → the core numbers."""
@@ -55,8 +57,7 @@ def available_cores() -> frozenset[int]:
 
 
 def _omp_num_threads() -> int | None:
-    value = os.environ.get("OMP_NUM_THREADS", "").strip()
-    return int(value) if value.isdigit() and int(value) >= 1 else None
+    return Settings.from_env().omp_num_threads
 
 
 @dataclass(frozen=True)

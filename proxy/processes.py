@@ -37,6 +37,7 @@ from pathlib import Path
 
 from common.cpu import available_cores
 from common.processes import Child, Supervisor
+from common.settings import Settings
 
 ENV = "PDSERVE_PROXY_PROCESS"
 MAX_RESTARTS = 5  # deaths within RESTART_WINDOW_S that stop the whole proxy (a crash loop)
@@ -60,7 +61,7 @@ class ProcessInfo:
 
     @classmethod
     def from_env(cls) -> ProcessInfo | None:
-        raw = os.environ.get(ENV)
+        raw = Settings.from_env().proxy_process
         if not raw:
             return None
         d = json.loads(raw)

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from common.model.default_model import (
-    CACHE_ENV,
     GGUF_NAME,
     MARKER,
     _hf_name,
@@ -26,6 +25,7 @@ from common.model.default_model import (
     gguf_path,
 )
 from common.model.hf_config import ModelLoadError, load_arch_config
+from common.settings import CACHE_ENV
 from common.tokenizer import Tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

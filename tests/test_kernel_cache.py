@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from common.native import build
+from common.settings import KERNEL_CACHE_ENV, MARCH_ENV
 
 SOURCE = "int pdserve_answer(void) { return 42; }\n"
 NOBODY = 65534
@@ -19,8 +20,8 @@ NOBODY = 65534
 @pytest.fixture
 def kernels(tmp_path, monkeypatch) -> Path:
     folder = tmp_path / "kernels"
-    monkeypatch.setenv(build.KERNEL_CACHE_ENV, str(folder))
-    monkeypatch.delenv(build.MARCH_ENV, raising=False)  # "native" is this CPU's here
+    monkeypatch.setenv(KERNEL_CACHE_ENV, str(folder))
+    monkeypatch.delenv(MARCH_ENV, raising=False)  # "native" is this CPU's here
     return folder
 
 
@@ -127,9 +128,9 @@ def test_the_march_variable_replaces_native(kernels, source, tmp_path, monkeypat
     cc.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexec {shutil.which("gcc")} "$@"\n')
     cc.chmod(0o755)
     monkeypatch.setenv("CC", str(cc))
-    monkeypatch.setenv(build.MARCH_ENV, "x86-64-v3")
+    monkeypatch.setenv(MARCH_ENV, "x86-64-v3")
     assert build.library_path(source) == build.library_path(source, march="x86-64-v3")
     assert build.load_library(source).pdserve_answer() == 42
     assert "-march=x86-64-v3" in log.read_text().split()
-    monkeypatch.delenv(build.MARCH_ENV)
+    monkeypatch.delenv(MARCH_ENV)
     assert build.library_path(source) != build.library_path(source, march="x86-64-v3")

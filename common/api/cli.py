@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
-import os
 import re
 import socket
 
@@ -36,6 +35,7 @@ from common.cpu import CpuBudget, parse_cpu_list
 from common.credentials import pick_secret
 from common.kv_cache import curve_keys
 from common.kv_cache.event_publisher import open_addresses
+from common.settings import Settings
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
@@ -446,7 +446,7 @@ def _add_cpu_budget(p: argparse.ArgumentParser) -> None:
 def _internal_token(a: argparse.Namespace) -> str | None:
     """--internal-token or --internal-token-file, else env PDSERVE_INTERNAL_TOKEN."""
     if a.internal_token is None and a.internal_token_file is None:
-        return os.environ.get("PDSERVE_INTERNAL_TOKEN") or None
+        return Settings.from_env().internal_token
     return pick_secret("internal-token", a.internal_token, a.internal_token_file)
 
 

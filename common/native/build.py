@@ -36,12 +36,10 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-from common.model.default_model import cache_dir
+from common.settings import Settings
 
 HEADERS = Path(__file__).parent  # sum16.h, bf16.h, exp512.h: included by the kernels
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-KERNEL_CACHE_ENV = "PDSERVE_KERNEL_CACHE_DIR"
-MARCH_ENV = "PDSERVE_KERNEL_MARCH"
 BUILD_TIMEOUT_S = 120.0  # a build takes ~1 s; a hung compiler must not hang the start-up
 
 logger = logging.getLogger(__name__)
@@ -75,18 +73,18 @@ def library_path(source: Path, march: str = "native") -> Path | None:
 
 
 def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "gcc"))
+    return shutil.which(Settings.from_env().cc)
 
 
 def _flags(march: str) -> list[str]:
     if march == "native":
-        march = os.environ.get(MARCH_ENV) or march
+        march = Settings.from_env().kernel_march or march
     return [*FLAGS, f"-march={march}"]
 
 
 def kernel_dir() -> Path:
     """The kernel cache: this user's own folder, mode 0700."""
-    folder = Path(os.environ.get(KERNEL_CACHE_ENV) or cache_dir() / "kernels")
+    folder = Settings.from_env().kernel_cache_dir
     folder.parent.mkdir(parents=True, exist_ok=True)
     try:
         folder.mkdir(mode=0o700, exist_ok=True)
