@@ -180,7 +180,8 @@ def test_stopped_peer_times_out_at_the_deadline(local, peers):
 
 
 def test_the_progress_delay_comes_from_the_environment(monkeypatch):
-    from common.kv_transfer.nixl.transport import PROGRESS_DELAY_ENV, progress_delay
+    from common.kv_transfer.nixl.transport import progress_delay
+    from common.settings import NIXL_PROGRESS_DELAY_ENV as PROGRESS_DELAY_ENV
 
     monkeypatch.delenv(PROGRESS_DELAY_ENV, raising=False)
     assert progress_delay() == 1000

@@ -33,7 +33,6 @@ Contract
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -58,6 +57,7 @@ from common.kv_transfer.nixl.agent import create_agent
 from common.kv_transfer.nixl.job import TransferJob, as_transfer_error
 from common.kv_transfer.transfers import TransferError, TransferFuture, TransferResult
 from common.kv_transfer.transport import Transport
+from common.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -110,22 +110,10 @@ class _Command:
     future: Future[Any] = field(default_factory=Future)
 
 
-PROGRESS_DELAY_ENV = "PDSERVE_NIXL_PROGRESS_DELAY_US"
-DEFAULT_PROGRESS_DELAY_US = 1000
-
-
 def progress_delay() -> int:
     """µs between the agent's progress-thread polls: `PDSERVE_NIXL_PROGRESS_DELAY_US`, else
     1000 (an idle agent then takes ~1.5% of a core; the wrapper's own 0 spins a whole core)."""
-    raw = os.environ.get(PROGRESS_DELAY_ENV, "")
-    try:
-        value = int(raw) if raw else DEFAULT_PROGRESS_DELAY_US
-    except ValueError:
-        why = f"{PROGRESS_DELAY_ENV} must be a whole number of µs, got {raw!r}"
-        raise ValueError(why) from None
-    if value < 1:
-        raise ValueError(f"{PROGRESS_DELAY_ENV} must be >= 1 µs, got {value}")
-    return value
+    return Settings.from_env().nixl_progress_delay_us
 
 
 class NixlTransport(Transport):

@@ -38,9 +38,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.settings import Settings
+
 logger = logging.getLogger(__name__)
 
-ENABLE_ENV = "PDSERVE_KV_TRANSPORT_INFO"
 PROTO_INFO = "*remote memory*"  # UCX_PROTO_INFO glob: only the tables of READ/WRITE (get/put)
 UNKNOWN = "unknown"
 _MIN_NAME = 16  # UCX cuts worker names to 31 characters: match a prefix at least this long
@@ -199,7 +200,7 @@ def configure(env: Any = os.environ) -> UcxLog | None:
     else the file never appears and every peer is "unknown"."""
     global _LOG
     with _CONFIGURE_LOCK:
-        if _LOG is not None or env.get(ENABLE_ENV, "1") == "0":
+        if _LOG is not None or not Settings.from_env(env).is_kv_transport_info:
             return _LOG
         env.setdefault("UCX_LOG_LEVEL", "info")
         env.setdefault("UCX_PROTO_INFO", PROTO_INFO)  # set otherwise: peers may be "unknown"
