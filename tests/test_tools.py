@@ -1,4 +1,4 @@
-"""Tool calling's pure parts (common/api/tools.py): the output parsers, whole and streamed, the
+"""Tool calling's pure parts (common/api/tools/): the output parsers, whole and streamed, the
 schemas that force a tool choice, tool_choice's 400s, and a history rendered for a template
 without tool support through the tiny tokenizer's ChatML template."""
 

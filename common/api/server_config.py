@@ -26,7 +26,7 @@ class ServerConfig:
     drain_timeout: float = 30.0
     drain_migrate: bool = False  # SIGTERM ends in-flight generations at once, for the proxy
     internal_token: str | None = None  # required by the internal routes when set
-    tool_call_parser: str | None = None  # common/api/tools.py's PARSERS; None: from the template
+    tool_call_parser: str | None = None  # tools/parsers.py's PARSERS; None: from the template
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector of traces; None: no tracing
     log_level: str = "info"
     cpu: CpuBudget = field(default_factory=CpuBudget)  # applied at startup (common/cpu.py)
