@@ -1,14 +1,11 @@
 """What one KV transfer is, and how it ends, whatever the transport (transport.py): the Future
 the caller holds (`TransferFuture`: done, failed, and *settled* once its memory is no longer
-touched), its result and its error; the running histograms a connector's stats carry to
-/metrics, and its running totals (`TransferStats`). Also what a connector starts one with:
-`submit` (a refusal becomes a failed Future) and `kv_written_event` (what a WRITE of CUDA
-memory waits for). NIXL's own transfer job is nixl/job.py.
+touched), its result and its error; and the running histograms a connector's stats carry to
+/metrics (`KVTransferStats.descriptors`, `.seconds`). NIXL's own transfer job is nixl/job.py.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -66,20 +63,6 @@ class SecondsHistogram(RunningHistogram):
     BUCKETS = SECONDS_BUCKETS
 
 
-@dataclass
-class TransferStats:
-    num_loads: int = 0
-    num_failed: int = 0
-    bytes_loaded: int = 0
-    seconds_loading: float = 0.0
-    descriptors: int = 0
-    descriptors_a_layer: DescriptorHistogram = field(default_factory=DescriptorHistogram)
-    seconds_a_request: SecondsHistogram = field(default_factory=SecondsHistogram)
-    num_checksum_failures: int = 0
-    loaded_requests: Counter = field(default_factory=Counter)  # pull, push (D); reverse (P)
-    recomputed: Counter = field(default_factory=Counter)  # D: by KVLoss.reason
-
-
 class TransferFuture(Future):
     """A transfer's outcome, and whether it can still touch memory (see `is_settled`)."""
 
@@ -93,26 +76,3 @@ class TransferFuture(Future):
     def mark_settled(self, settled: bool = True) -> None:
         """The transfer no longer touches its memory (or, False: may still, until released)."""
         self._is_settled = settled
-
-
-def kv_written_event(kv_cache):
-    """On CUDA, an event after the kernels that wrote this layer's KV: the transfer thread
-    waits for it before a WRITE reads the blocks. None on CPU (writes are synchronous)."""
-    if not kv_cache.is_cuda:
-        return None
-    import torch
-
-    event = torch.cuda.Event()
-    event.record()
-    return event
-
-
-def submit(transfer, *args, **kwargs) -> Future:
-    """Start a transfer; one refused at once (an unknown peer, a closed transport) becomes a
-    failed Future, handled like one that failed on the wire."""
-    try:
-        return transfer(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 — reported through the Future
-        future: Future = Future()
-        future.set_exception(e)
-        return future

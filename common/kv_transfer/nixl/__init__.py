@@ -29,9 +29,10 @@ Layout: `NixlConnector` (connector.py) is the `KVConnector`, a façade over the 
 (scheduler.py: leases.py for P's leases, reservations.py for D's, push.py for P's push books)
 and the worker half (worker.py: the transport, the KV tensors, the step's transfers; holds.py
 keeps the blocks under transfer, staging.py the buffers between head splits, checksum.py the
-per-block sums). transport.py is the `Transport` (common/kv_transfer/transport.py) over NIXL:
-one agent (agent.py), a transfer thread carrying each transfer as a job (job.py), and UCX's
-report of what carries each peer's KV (transport_info.py).
+per-block sums); stats.py holds the running totals both halves add to. transport.py is the
+`Transport` (common/kv_transfer/transport.py) over NIXL: one agent (agent.py), a transfer thread
+carrying each transfer as a job (job.py), and UCX's report of what carries each peer's KV
+(transport_info.py).
 """
 
 from common.kv_transfer.nixl.connector import NixlConnector

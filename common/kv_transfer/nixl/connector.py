@@ -20,9 +20,9 @@ from common.kv_transfer.base import (
 from common.kv_transfer.nixl.holds import TransferHolds
 from common.kv_transfer.nixl.push import PushTable
 from common.kv_transfer.nixl.scheduler import NixlScheduler
+from common.kv_transfer.nixl.stats import TransferStats
 from common.kv_transfer.nixl.worker import NixlWorker, StepMeta, nixl_transport
 from common.kv_transfer.params import RemotePrefill
-from common.kv_transfer.transfers import TransferStats
 from common.kv_transfer.transport import MakeTransport
 
 

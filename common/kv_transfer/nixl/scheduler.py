@@ -18,9 +18,9 @@ from common.kv_transfer.base import Request, Reservation
 from common.kv_transfer.nixl.leases import LeaseTable, wall_deadline
 from common.kv_transfer.nixl.push import PushTable
 from common.kv_transfer.nixl.reservations import PUSHED, ReservationTable
+from common.kv_transfer.nixl.stats import TransferStats
 from common.kv_transfer.nixl.worker import RELEASE, LoadPlan, NixlWorker, StepMeta
 from common.kv_transfer.params import RemotePrefill, push_target, wants_remote_decode
-from common.kv_transfer.transfers import TransferStats
 
 logger = logging.getLogger(__name__)
 

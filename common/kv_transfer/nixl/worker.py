@@ -23,8 +23,8 @@ from common.kv_transfer.nixl.leases import fenced
 from common.kv_transfer.nixl.push import PushPlan, PushTable
 from common.kv_transfer.nixl.reservations import push_notif
 from common.kv_transfer.nixl.staging import Staged, StagingPool
+from common.kv_transfer.nixl.stats import TransferStats
 from common.kv_transfer.params import RemotePrefill
-from common.kv_transfer.transfers import TransferStats, kv_written_event, submit
 from common.kv_transfer.transport import MakeTransport, Transport
 from common.tracing import RequestTimes
 
@@ -69,6 +69,29 @@ def nixl_transport(engine_id: str, shards: list[ShardTensors]) -> Transport:
     from common.kv_transfer.nixl.transport import NixlTransport
 
     return NixlTransport(engine_id, shards)
+
+
+def kv_written_event(kv_cache):
+    """On CUDA, an event after the kernels that wrote this layer's KV: the transfer thread
+    waits for it before a WRITE reads the blocks. None on CPU (writes are synchronous)."""
+    if not kv_cache.is_cuda:
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def submit(transfer, *args, **kwargs) -> Future:
+    """Start a transfer; one refused at once (an unknown peer, a closed transport) becomes a
+    failed Future, handled like one that failed on the wire."""
+    try:
+        return transfer(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 — reported through the Future
+        future: Future = Future()
+        future.set_exception(e)
+        return future
 
 
 class NixlWorker:
