@@ -18,7 +18,7 @@ chaos:  ## the chaos tests alone (kills, freezes and restarts of real workers; a
 	.venv/bin/python -m pytest tests/chaos -q
 
 soak:  ## 10 minutes, 64 streams, 10% aborts through proxy + 2 P + 2 D; exit 1 on leaks, hangs, RSS growth
-	.venv/bin/python benchmarks/soak.py --duration 600 $(ARGS)
+	.venv/bin/python benchmarks/studies/soak.py --duration 600 $(ARGS)
 
 interop:  ## our proxy in front of vLLM's own P/D workers (vLLM's CPU build, installed once; minutes)
 	.venv/bin/python -m tests.interop.vllm_workers $(ARGS)

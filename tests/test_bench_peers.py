@@ -1,4 +1,5 @@
-"""benchmarks/peers.py: sides of an interleaved benchmark as real child processes speaking the
+"""benchmarks/peers/protocol.py: sides of an interleaved benchmark as real child processes speaking
+the
 line protocol; rounds rotate the sides' order, and a dead side is a clear error."""
 
 from __future__ import annotations
@@ -8,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.peers import Peer, interleave, machine_header, peer_env, spread
+from benchmarks.peers.protocol import Peer, interleave, machine_header, peer_env, spread
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = """
 import sys, time
 sys.path.insert(0, {root!r})
-from benchmarks.peers import serve
+from benchmarks.peers.protocol import serve
 calls = []
 def generate(batch, new_tokens):
     calls.append((batch, new_tokens))

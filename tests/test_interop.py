@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.vllm_cpu import ROUTER_VERSION, ensure_router
+from benchmarks.peers.vllm_cpu import ROUTER_VERSION, ensure_router
 from tests.servers import free_port, kv_sources, wait_until
 from tests.tiny_models import VOCAB
 

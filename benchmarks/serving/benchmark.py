@@ -1,6 +1,6 @@
 """One load test end to end: send the samples as the config says, print vLLM's table, write the
 result file and the plots. `benchmarks/serve.py` is its command line; studies call it
-in-process (benchmarks/serving/sweep.py, benchmarks/kv_routing.py)."""
+in-process (benchmarks/serving/sweep.py, benchmarks/studies/kv_routing.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """A rate sweep of systems serving the same Poisson workload: the machinery of the P/D studies
-(benchmarks/pd_vs_colocated.py, benchmarks/pd_vs_vllm.py), which each only start their systems.
+(benchmarks/studies/pd_vs_colocated.py, benchmarks/studies/pd_vs_vllm.py), which each only start
+their systems.
 
 Every system is up for the whole sweep (the idle one sleeps) and the points alternate between
 them, so a noisy moment on a shared box hits all. Each rate point has its own seed, the same for

@@ -6,7 +6,7 @@ b..b+n is one descriptor per (layer, K/V).
 
 On CPU the tensors live in transparent huge pages (2 MiB, `madvise`): UCX's cma transport
 (process_vm_readv/writev) pins and walks the source and target pages on every transfer, and
-moves the same KV about 2x as fast when they are huge pages (benchmarks/bench_transfer.py
+moves the same KV about 2x as fast when they are huge pages (benchmarks/studies/bench_transfer.py
 compares both in one run). Where the kernel gives none, they are plain pages. The layers are
 views of one mapping, so NIXL registers them as one region (kv_transfer/nixl/transport.py).
 """

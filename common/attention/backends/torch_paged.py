@@ -19,7 +19,7 @@ fp32, at batch 32). Eager (`--enforce-eager`) keeps SDPA.
 With `native`, a step's prefill sequences that have no cached prefix (and no sliding window)
 run as one call of the C kernel in native_prefill.c: causal attention of each over its own new
 K/V, OpenMP sharing (sequence, KV head, query block) items out, bf16 products on `vdpbf16ps`
-(benchmarks/bench_prefill_attention.py). The engine runs it in bfloat16 on its AVX-512 BF16
+(benchmarks/kernels/bench_prefill_attention.py). The engine runs it in bfloat16 on its AVX-512 BF16
 code only (`NativePrefill.takes`): float32, and builds without AVX-512 BF16 (whose generic C
 code is tested, not measured against SDPA), keep SDPA per sequence, recorded without timing.
 """
@@ -204,7 +204,7 @@ PREFILL_KERNEL = "prefill_attention"
 
 # below this many context tokens in a step's decodes (batch x longest), SDPA on the gathered
 # context is as fast or faster: the compiled call's fixed cost (~40 us) dominates
-# (benchmarks/bench_attention.py: the crossover is at 8 x 600 and 32 x 160 tokens)
+# (benchmarks/kernels/bench_attention.py: the crossover is at 8 x 600 and 32 x 160 tokens)
 FUSED_MIN_TOKENS = 4096
 
 

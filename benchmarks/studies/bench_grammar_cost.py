@@ -16,7 +16,7 @@ not a flood of 400s), from 0.3 s before the victim starts until it ends.
 Printed: per mode, the victim's longest gap (ms) median [min-max] over the rounds, its ratio to
 the median alone, and what the attacker's requests got (status: count).
 
-    python -m benchmarks.bench_grammar_cost [--rounds 3] [--root /tmp/old-checkout]
+    python -m benchmarks.studies.bench_grammar_cost [--rounds 3] [--root /tmp/old-checkout]
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.peers import machine_header, spread
+from benchmarks.peers.protocol import machine_header, spread
 from deploy.processes import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ATTACKS = {"nested": "((a{70}){70}){70}", "at-limit": "((a{20}){20}){20}"}
 LEAD_S = 0.3  # the attacker starts this long before the victim
 REFUSED_PAUSE_S = 0.1

@@ -1,4 +1,4 @@
-"""KV transfer over NIXL, the raw transport (part 1 of benchmarks/bench_transfer.py): two
+"""KV transfer over NIXL, the raw transport (part 1 of benchmarks/studies/bench_transfer.py): two
 NixlTransports in this process over KV tensors shaped like SmolLM2's (30 layers of
 (2, 600, 16, 3, 64) fp32), allocated as a worker allocates them (2 MiB pages, one NIXL region)
 and as before (4 KiB pages, a region a layer). Per prompt length: a request's READ of every

@@ -11,7 +11,7 @@ buffer and shards included in the time. Per pair, op, way and prompt length: the
 descriptors per layer and the ratio to TP 1 -> TP 1 in the same run. Every transfer's last
 layer is checked: D's heads equal P's.
 
-    .venv/bin/python benchmarks/tp_transfer.py [--prompt-lens 128 512 2048] [--repeats 20]
+    .venv/bin/python benchmarks/studies/tp_transfer.py [--prompt-lens 128 512 2048] [--repeats 20]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # before nixl is imported
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 30, 3, 64, 16, 160

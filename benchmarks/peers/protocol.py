@@ -143,7 +143,7 @@ def machine_header() -> str:
     except OSError:
         pass
     isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     commit = subprocess.run(
         ["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True, text=True
     ).stdout.strip()

@@ -1,7 +1,8 @@
 """KV transfer over NIXL: the raw transport vs a memory copy, P→D TTFT (pull and push) vs
 colocated, and how much of the transfer each mode exposes.
 
-1. Raw transport, in this process and before any server starts (benchmarks/transfer_raw.py): a
+1. Raw transport, in this process and before any server starts (benchmarks/studies/transfer_raw.py):
+a
    request's READ of every layer vs the transport's ceiling and `dst.copy_(src)`, same bytes.
 2. End to end over HTTP: `python -m prefill_server` (P) and `python -m decode_server` (D, no
    prefix cache, so every block is read). Pull: P answers a max_tokens=1 request with
@@ -13,7 +14,8 @@ colocated, and how much of the transfer each mode exposes.
    reservation and WRITEs each layer as it computes, then D decodes; its exposed time is the same
    difference with nothing left to read. Medians of `--repeats`.
 
-    python benchmarks/bench_transfer.py [--prompt-lens 512 2048] [--repeats 3] [--raw-repeats 30]
+    python benchmarks/studies/bench_transfer.py [--prompt-lens 512 2048] [--repeats 3]
+        [--raw-repeats 30]
                                         [--raw-only]
 """
 
@@ -34,11 +36,11 @@ from pathlib import Path
 import httpx
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # before nixl is imported
 
-from benchmarks.transfer_raw import BLOCK_SIZE, NUM_BLOCKS, bench_raw, print_raw, print_row  # noqa: E402
+from benchmarks.studies.transfer_raw import BLOCK_SIZE, NUM_BLOCKS, bench_raw, print_raw, print_row  # noqa: E402
 from deploy.processes import ServerProcess  # noqa: E402
 
 VOCAB_LOW, VOCAB_HIGH = 100, 49152

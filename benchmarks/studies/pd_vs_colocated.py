@@ -11,7 +11,7 @@ The proxy and the benchmark client (this process) are not pinned: they float ove
 both systems. The cluster is deploy/cluster.py's (benchmarks/cluster.py), without KV events (one
 P and one D leave KV-aware routing nothing to choose); the sweep is benchmarks/serving/sweep.py's.
 
-    .venv/bin/python -m benchmarks.pd_vs_colocated [--rates 0.5 1 2] [--num-prompts 20]
+    .venv/bin/python -m benchmarks.studies.pd_vs_colocated [--rates 0.5 1 2] [--num-prompts 20]
 
 Writes the JSON (every point's aggregates, vLLM's key names), three PNGs (goodput, ITL p99 and
 TTFT p99 against the rate) and prints a markdown table.

@@ -5,7 +5,7 @@ Each case starts `python -m decode_server` on a free loopback port, polls `/heal
 reads `pdserve_model_compile_seconds` from `/metrics`, and stops the worker. The compiled cases
 use a fresh `TORCHINDUCTOR_CACHE_DIR` for the cold start and the same one again for the warm.
 
-    python benchmarks/cold_start.py [--dtype auto] [--model DIR]
+    python benchmarks/studies/cold_start.py [--dtype auto] [--model DIR]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from deploy.processes import ServerProcess  # noqa: E402

@@ -11,7 +11,7 @@ step under torch.profiler (GEMM ops by name; everything inside the attention bac
 attention, paged gather included; other ops and compiled kernels by their own time), scaled to
 the median forward.
 
-    python benchmarks/profile_engine.py [--batch 1 32] [--enforce-eager] [--dtype float32]
+    python benchmarks/kernels/profile_engine.py [--batch 1 32] [--enforce-eager] [--dtype float32]
 """
 
 from __future__ import annotations

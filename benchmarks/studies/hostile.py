@@ -21,7 +21,7 @@ own alone in the same round, and whether every process of the cluster is still a
 issue's goal: a 400 (or a bounded run) within 1 s, every process alive, and the victim's longest
 gap within 2x its gap alone.
 
-    .venv/bin/python -m benchmarks.hostile [--rounds 3] [--json docs/results/FILE.json]
+    .venv/bin/python -m benchmarks.studies.hostile [--rounds 3] [--json docs/results/FILE.json]
 
 Loopback only; every request is bounded in count and time.
 """
@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.cluster import Bench, LocalConfig
-from benchmarks.peers import machine_header
+from benchmarks.peers.protocol import machine_header
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 HI = [{"role": "user", "content": "hi"}]
@@ -177,8 +177,10 @@ def main() -> None:
     print(machine_header())
     alone = statistics.median(run["gap"] for run in runs["alone"])
     print(f"victim alone: longest gap {alone * 1e3:.0f} ms (median of {a.rounds})\n")
-    print("| attack | status | answered in s | proxy /health max s | victim gap ms | gap / alone "
-          "| all alive |")
+    print(
+        "| attack | status | answered in s | proxy /health max s | victim gap ms | gap / alone "
+        "| all alive |"
+    )
     print("|---|---|---:|---:|---:|---:|---|")
     for name in names:
         rs = runs[name]

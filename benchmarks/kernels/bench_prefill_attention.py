@@ -11,7 +11,8 @@ tokens: the engine's prefill step at batch 16). Both run interleaved rep by rep,
 a fused QKV row as the model's split leaves them; the table gives medians (ms), SDPA's time over
 the kernel's, and each one's largest error against float64 on the single sequences.
 
-    python benchmarks/bench_prefill_attention.py [--dtype bfloat16 float32] [--lens 128 512 2048]
+    python benchmarks/kernels/bench_prefill_attention.py [--dtype bfloat16 float32]
+        [--lens 128 512 2048]
         [--step 16] [--reps 9] [--march native] [--threads N]
 
 On a busy machine, time with `--threads 1`: with two threads on two shared cores, a call waits

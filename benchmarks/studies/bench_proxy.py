@@ -3,10 +3,11 @@ front of the same instant stub workers (benchmarks/proxy_stubs.py: a P that retu
 params, a D that streams 16 chunks), loaded by `wrk` (C, so the load generator costs little).
 
 For each target and concurrency: requests/s, p50 and p99 latency of a streamed completion, and
-errors; "direct D" is the floor (the client streams from the D stub itself, no proxy). Both
-proxies route round robin. The router is installed into its own virtualenv (benchmarks/vllm_cpu.py).
+errors; "direct D" is the floor (the client streams from the D stub itself, no proxy). Both proxies
+route round robin. The router is installed into its own virtualenv (benchmarks/peers/vllm_cpu.py).
 
-    .venv/bin/python benchmarks/bench_proxy.py [--duration 5] [--repeats 3] [--concurrency 1 32]
+    .venv/bin/python benchmarks/studies/bench_proxy.py [--duration 5] [--repeats 3]
+        [--concurrency 1 32]
         [--proxy-workers 1 2] [--http-clients lean httpx]
 
 pdserve runs once per `--workers` value and HTTP client to the workers (its hand-written lean
@@ -24,13 +25,13 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: python benchmarks/bench_proxy.py
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a script: python benchmarks/studies/bench_proxy.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import httpx  # noqa: E402
 
 from benchmarks.cluster import ROOT, Bench, free_port  # noqa: E402
-from benchmarks.vllm_cpu import ROUTER_VERSION, ensure_router  # noqa: E402
+from benchmarks.peers.vllm_cpu import ROUTER_VERSION, ensure_router  # noqa: E402
 
 BODY = {"model": "stub", "prompt": "hello world", "max_tokens": 16, "stream": True}
 _LUA = """wrk.method = "POST"

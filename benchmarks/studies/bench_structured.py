@@ -13,11 +13,11 @@ a grammar.
    xgrammar: any_whitespace false, separators "," and ":"). This code is the benchmark's only:
    the engine uses llguidance (common/engine/structured.py).
 
-    python -m benchmarks.bench_structured --libraries-only [--library llguidance xgrammar]
+    python -m benchmarks.studies.bench_structured --libraries-only [--library llguidance xgrammar]
     # xgrammar is not in the project's venv; a scratch one:
     python3 -m venv /tmp/xgv && /tmp/xgv/bin/pip install torch==2.13.0 \
         && /tmp/xgv/bin/pip install xgrammar llguidance tokenizers numpy
-    PYTHONPATH=. /tmp/xgv/bin/python -m benchmarks.bench_structured \
+    PYTHONPATH=. /tmp/xgv/bin/python -m benchmarks.studies.bench_structured \
         --libraries-only
 
 2. Engine (the project's venv): `LLM(SmolLM2, dtype="float32")`, compiled, 32 prompts of 128
@@ -31,7 +31,8 @@ a grammar.
    the wait in `apply` for every row's fill; "hidden" is the share of the fill time not waited
    for. A grammar's cost to the other streams of its worker: bench_grammar_cost.py.
 
-    python -m benchmarks.bench_structured [--rounds 3] [--concurrency 1 32] [--skip-libraries]
+    python -m benchmarks.studies.bench_structured [--rounds 3] [--concurrency 1 32]
+        [--skip-libraries]
 
 The issue's goals: constrained >= 0.9x unconstrained tok/s at batch 32, first-use compile under
 100 ms for the test schemas.
@@ -47,7 +48,7 @@ import time
 from concurrent import futures
 from pathlib import Path
 
-from benchmarks.peers import machine_header, spread
+from benchmarks.peers.protocol import machine_header, spread
 
 LIBRARIES = ("llguidance", "xgrammar")
 EOS_TOKEN_ID = 2  # SmolLM2's <|im_end|>

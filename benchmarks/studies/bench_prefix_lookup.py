@@ -19,7 +19,8 @@ worker admits: `hash()` (before) is the key as it was, Python's hash of (parent,
 tokens as a tuple), kept below in this file only; `sha256` (now) the key as it is. Per block, the
 fastest of `--repeats` chains over the whole prompt.
 
-    .venv/bin/python -m benchmarks.bench_prefix_lookup [--prompt-tokens 32768] [--repeats 15]
+    .venv/bin/python -m benchmarks.studies.bench_prefix_lookup [--prompt-tokens 32768]
+        [--repeats 15]
 """
 
 from __future__ import annotations

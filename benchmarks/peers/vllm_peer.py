@@ -1,8 +1,8 @@
-"""vLLM's side of bench_engine.py's interleaved runs (benchmarks/peers.py's protocol): runs in
-vLLM's own virtualenv and never imports pdserve (peers.py is standard library only).
+"""vLLM's side of bench_engine.py's interleaved runs (benchmarks/peers/protocol.py's protocol): runs
+in vLLM's own virtualenv and never imports pdserve (protocol.py is standard library only).
 
     PEER_ARGS='{"concurrency": [1, 8, 32], "new_tokens": 128}' \
-        <vllm venv>/bin/python benchmarks/vllm_peer.py MODEL_DIR PROMPTS_JSON --dtype float32
+        <vllm venv>/bin/python benchmarks/peers/vllm_peer.py MODEL_DIR PROMPTS_JSON --dtype float32
 
 Offline `LLM.generate`, prefix caching off (each round computes its prompts anew, as on the
 engine's side). The engine core runs in-process or as a second process by
@@ -16,7 +16,7 @@ import argparse
 import json
 import time
 
-from peers import serve
+from protocol import serve
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ Same prompts, same sampling (greedy, EOS ignored, fixed output length), same eng
 output tokens/s of each and their ratio. The offline run goes first and is freed before the
 server starts, so the two never share the cores.
 
-    python benchmarks/bench_server.py [--concurrency 32] [--max-tokens 128]
+    python benchmarks/studies/bench_server.py [--concurrency 32] [--max-tokens 128]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from common.engine.llm import LLM  # noqa: E402

@@ -13,9 +13,9 @@
 # moment on a shared box hits every system; each run has its own seed (no prefix-cache hits)
 # and records the load average before it. The workload is 16 chats at concurrency 4 (closed
 # loop: requests start and end in lockstep); RATE=2.5 sends 40 as Poisson arrivals at that
-# rate instead. Usage: benchmarks/cpu_budget.sh [OUT_DIR] (default /tmp/cpu_budget)
+# rate instead. Usage: benchmarks/studies/cpu_budget.sh [OUT_DIR] (default /tmp/cpu_budget)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 OUT=${1:-/tmp/cpu_budget}
 ROUNDS=${ROUNDS:-2}

@@ -15,7 +15,8 @@ prefix (the order alternates by round). The time measured is the whole non-strea
 KV. Medians over the rounds, interleaved; the ratio reverse/recompute of each length; and what
 the reverse pull saves a token of prefix, from which `--reverse-pull-min-tokens`' default comes.
 
-    .venv/bin/python -m benchmarks.reverse_pull [--rounds 5] [--lengths 16 32 64 128 256 512]
+    .venv/bin/python -m benchmarks.studies.reverse_pull [--rounds 5]
+        [--lengths 16 32 64 128 256 512]
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ GFLOP/s. The paths:
 All of them interleaved pass by pass (the worker's pass between the others'), `--reps` rounds,
 medians. A path that does not run a dtype here shows "-".
 
-    python benchmarks/bench_gemm.py [--dtype float32 bfloat16] [--rows 1 2 4 8 16 32 64 128]
+    python benchmarks/kernels/bench_gemm.py [--dtype float32 bfloat16] [--rows 1 2 4 8 16 32 64 128]
         [--avx2-rival]
 """
 
@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's packages, here and in the worker
 
 import torch  # noqa: E402

@@ -20,7 +20,8 @@ a CPU without AVX-512, run with `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX
 kernel then goes to a private inductor cache, as inductor's cache key leaves that setting out and
 an AVX2 kernel loaded by a process on AVX-512 corrupts its heap.
 
-    python benchmarks/bench_attention.py [--dtype float32 bfloat16] [--batch 2 8 32] [--cold]
+    python benchmarks/kernels/bench_attention.py [--dtype float32 bfloat16] [--batch 2 8 32]
+        [--cold]
         [--march native x86-64-v3 x86-64-v2]
 """
 

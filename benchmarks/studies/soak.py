@@ -16,8 +16,8 @@ requests move to the other D (proxy/migration.py), so every request must still e
 ledger adds each restart's exit status and seconds to exit, and any error then also makes the
 exit status 1.
 
-    .venv/bin/python benchmarks/soak.py [--duration 600] [--clients 64] [--abort-rate 0.1]
-    .venv/bin/python benchmarks/soak.py --duration 60 --warmup 10 --rolling-restarts 2
+    .venv/bin/python benchmarks/studies/soak.py [--duration 600] [--clients 64] [--abort-rate 0.1]
+    .venv/bin/python benchmarks/studies/soak.py --duration 60 --warmup 10 --rolling-restarts 2
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cluster import Bench, Cluster, LocalConfig  # noqa: E402

@@ -26,7 +26,7 @@ served from its own prefix cache, as P's answers report them (`usage.prompt_toke
 summed by the proxy: `pdserve_proxy_prefill_cached_tokens_total`), over the ideal: every request
 but the first of its group finds the full blocks it shares with that first one cached.
 
-    .venv/bin/python -m benchmarks.kv_routing [--groups 8] [--per-group 5] [--rounds 2]
+    .venv/bin/python -m benchmarks.studies.kv_routing [--groups 8] [--per-group 5] [--rounds 2]
 """
 
 from __future__ import annotations
