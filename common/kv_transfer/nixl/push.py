@@ -64,10 +64,10 @@ class _Push:
 
 @dataclass
 class PushStats:
-    num_bytes: int = 0
-    num_failures: int = 0  # requests some of whose writes failed
-    seconds: float = 0.0  # per request: from its first WRITE to its last one landing
-    seconds_exposed: float = 0.0  # of that, after its prefill ended (not hidden by compute)
+    num_bytes_pushed: int = 0
+    num_push_failures: int = 0  # requests some of whose writes failed
+    seconds_pushing: float = 0.0  # per request: from its first WRITE to its last one landing
+    seconds_push_exposed: float = 0.0  # of that, after its prefill ended (not hidden by compute)
     descriptors_a_layer: DescriptorHistogram = field(default_factory=DescriptorHistogram)
     seconds_a_request: SecondsHistogram = field(default_factory=SecondsHistogram)
 
@@ -144,20 +144,20 @@ class PushTable:
     def _outcome(self, request_id: str, push: _Push) -> str | None:
         errors = [e for f in push.writes if (e := _error(f)) is not None]
         results = [f.result() for f in push.writes if not _error(f)]
-        self.stats.num_bytes += sum(r.num_bytes for r in results)
+        self.stats.num_bytes_pushed += sum(r.num_bytes for r in results)
         if results:  # each WRITE is one layer of one chunk
             descriptors = sum(r.num_descriptors for r in results) / len(results)
             self.stats.descriptors_a_layer.observe(descriptors)
         done = time.perf_counter()
         seconds = done - (push.started_at or done)
-        self.stats.seconds += seconds
-        self.stats.seconds_exposed += done - push.finished_at
+        self.stats.seconds_pushing += seconds
+        self.stats.seconds_push_exposed += done - push.finished_at
         if not errors:
             if push.times is not None and push.started_ns:
                 push.times.kv_transfer_ns = (push.started_ns, time.time_ns())
             self.stats.seconds_a_request.observe(seconds)
             return None
-        self.stats.num_failures += 1
+        self.stats.num_push_failures += 1
         why = f"{len(errors)} of {len(push.writes)} KV writes failed: {errors[0]!r}"
         logger.warning("KV push for %s failed: %s", request_id, why)
         return why

@@ -265,7 +265,7 @@ class NixlWorker:
         """After the forward: account for the step's loads and tell each P to let go."""
         for plan in meta.loads:
             self.stats.num_loads += 1
-            self.stats.num_failed += plan.failed
+            self.stats.num_load_failures += plan.failed
             seconds = time.perf_counter() - plan.started_at
             self.stats.seconds_loading += seconds
             if not plan.failed and (plan.blocks or not plan.remote.prefix_only):
@@ -275,8 +275,8 @@ class NixlWorker:
                 self.stats.seconds_a_request.observe(seconds)
                 for future in plan.group.futures if plan.group else []:
                     result = future.result()
-                    self.stats.bytes_loaded += result.num_bytes
-                    self.stats.descriptors += result.num_descriptors
+                    self.stats.num_bytes_loaded += result.num_bytes
+                    self.stats.num_load_descriptors += result.num_descriptors
                     self.stats.descriptors_a_layer.observe(result.num_descriptors / self.num_layers)
             self.notify_release(plan.remote)
         self._futures.clear()
