@@ -5,6 +5,8 @@ that cannot be reached is judged by the one failure policy (common/kv_transfer/r
   runner) or the KV transfer machinery (peers, connectors, NIXL): only the client and the
   contract types that cross it (sampling params, outputs, resume, stats, params, handshake).
   The graph is read from the source, every import included, as test_import_cycles.py reads it.
+- Metrics are read from the engine's stats, never from a prometheus object's private state
+  (`counter._value`), in the worker or the proxy.
 - `RemotePrefills.unreachable`: a prefill worker out of reach is computed here under
   `recompute` (counted as `prefill_unreachable`), fails under `fail`, and fails whatever the
   policy once the client has P's first token; a decode worker's prefix out of reach is computed
@@ -51,16 +53,26 @@ def imported_modules(path: Path) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("path", sorted(API.glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(API.rglob("*.py")), ids=lambda p: str(p.relative_to(API)))
 def test_the_http_layer_reaches_the_engine_only_through_its_client(path):
     engine_side = {
         name
         for name in imported_modules(path)
         if name.startswith(("common.engine", "common.kv_transfer"))
     }
-    assert engine_side <= ALLOWED, f"{path.name} imports {sorted(engine_side - ALLOWED)}"
+    assert engine_side <= ALLOWED, f"{path} imports {sorted(engine_side - ALLOWED)}"
     text = path.read_text()
-    assert ".engine.engine" not in text and ".call(" not in text, path.name
+    assert ".engine.engine" not in text and ".call(" not in text, path
+
+
+@pytest.mark.parametrize("package", ["common", "proxy"])
+def test_no_metric_is_read_from_prometheus_private_state(package):
+    readers = [
+        str(path.relative_to(API.parent.parent))
+        for path in sorted((API.parent.parent / package).rglob("*.py"))
+        if "._value" in path.read_text()
+    ]
+    assert not readers
 
 
 class CountingConnector(KVConnector):
