@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import common.model.packed_linear as pl
 from common.model.packed_linear import PackedLinear, can_pack, skinny_gemm, skinny_pack
 from common.native import choice
-from common.native.build import MARCH_ENV
+from common.settings import MARCH_ENV
 
 # N, K: N not a multiple of 16 or 8, K of 16 or 32 values, K long
 SHAPES = [(960, 576), (37, 64), (5, 1536), (3072, 576), (20, 18)]
