@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from fastapi.responses import Response
 
 from common.api.protocol import RESUMED_HEADER
 from proxy.config import from_dict
@@ -26,6 +27,7 @@ from proxy.kv_index import BlockIndex, decode_batch
 from proxy.metrics import ProxyMetrics
 from proxy.orchestrator import Orchestrator
 from proxy.request import COMPLETIONS_PATH, ProxyRequest
+from proxy.upstream import UpstreamError
 from proxy.workers import Worker, WorkerPool
 from tests.test_proxy_kv_routing import Feeds, ids, stored_batch
 
@@ -111,7 +113,7 @@ def cluster(**settings) -> Cluster:
     cfg = from_dict({**urls, **settings})
     orch = Orchestrator(cfg, pools, ProxyMetrics(pools), Feeds(indexes))
     recorder = PlanRecorder()
-    orch.prefills = recorder
+    orch.prefills = orch.decodes.prefills = recorder
     return Cluster(orch, recorder, workers, indexes)
 
 
@@ -162,3 +164,28 @@ def test_a_move_leaves_out_the_d_that_failed_it_as_a_new_request_leaves_out_one_
     c.workers["d1"].is_healthy = False
     assert moved == c.new_request_plan(SO_FAR)
     assert moved.decode is c.workers["d2"]
+
+
+def test_a_whole_request_run_again_takes_the_plan_of_a_new_request():
+    """Not streamed: a D that fails before answering is replaced, and the rerun is planned (and
+    prefilled) as a new request with that D out of rotation."""
+    c = cluster()
+    c.hold("d1", SO_FAR[:32])
+    d1, d2 = c.workers["d1"], c.workers["d2"]
+    asked = []
+
+    async def answer(req, decode, prefilled, content):
+        asked.append(decode)
+        if decode is d1:
+            raise UpstreamError(decode, "decode failed: reset by peer")
+        return Response(b"{}", media_type="application/json")
+
+    c.orch.decodes._answer_whole = answer
+    req = ProxyRequest(COMPLETIONS_PATH, {"prompt": SO_FAR}, b"", "whole")
+    asyncio.run(c.orch._plan_and_prefill(req))
+    assert c.recorder.plans.pop().decode is d1  # the D holding more
+    asyncio.run(c.orch.decodes.whole(req, d1, None))
+    rerun = c.recorder.plans.pop()
+    d1.is_healthy = False
+    assert rerun == c.new_request_plan(SO_FAR)
+    assert rerun.decode is d2 and asked == [d1, d2]

@@ -4,9 +4,9 @@ the prompt), D's response once its headers arrived.
 - **A D never reached.** A D that cannot be reached, or refuses with a 503 before any byte (it
   drains or stops), is replaced by another unless the KV was pushed into it (`open`).
 - **A whole answer** (`whole`, not streamed): a D that fails before answering (a reset, a
-  timeout, a 5xx, an ejection, a drain with migration) is replaced by another, which runs the
-  request again from its prompt alone (no tokens reached the client), up to `--migration-limit`
-  times. A stream's D is read by relay.py.
+  timeout, a 5xx, an ejection, a drain with migration) is replaced: the request runs again from
+  its prompt (no tokens reached the client), planned and prefilled as a new request, the D's
+  that failed it left out, up to `--migration-limit` times. A stream's D is read by relay.py.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import httpx
 from fastapi.responses import Response
 
-from common.api.errors import UnavailableError
+from common.api.errors import APIError, UnavailableError
 from proxy.inflight import InFlight
 from proxy.journey.calls import WorkerCalls, upstream_error_response
-from proxy.journey.plan import Planner
+from proxy.journey.plan import Plan, Planner
 from proxy.journey.prefill import Prefilled, Prefills
 from proxy.metrics import ProxyMetrics
 from proxy.request import ProxyRequest
@@ -130,8 +130,8 @@ class Decodes:
     async def whole(
         self, req: ProxyRequest, decode: Worker, prefilled: Prefilled | None
     ) -> Response:
-        """D's whole answer. A D that fails before answering is replaced by another, which runs
-        the request again from its prompt alone, up to `--migration-limit` times."""
+        """D's whole answer. A D that fails before answering is replaced: the request runs again
+        from its prompt, planned as a new request, up to `--migration-limit` times."""
         content = self.content(req, prefilled, first_sent=False)
         failed = FailedWorkers()
         while True:
@@ -154,7 +154,7 @@ class Decodes:
                 refusal = self._whole_refusal(e, failed.num_failures)
                 if refusal is None:
                     try:
-                        decode = await self.planner.choose_soon("decode", req, failed.excluded)
+                        plan = await self.planner.plan(req, failed.excluded, wait=True)
                     except UnavailableError:
                         refusal = "no_decode"
                 if refusal is not None:
@@ -163,10 +163,21 @@ class Decodes:
                     return upstream_error_response(e)
                 self.metrics.migrations.labels(reason).inc()
                 self.metrics.migration_recomputed.inc(req.estimated_tokens())
+                decode, prefilled = plan.decode, await self._prefill_again(req, plan)
                 logger.warning(
                     "request %s runs again on %s (%s)", req.request_id, decode.url, reason
                 )
-                prefilled, content = None, req.decode_body(None)
+                content = self.content(req, prefilled, first_sent=False)
+
+    async def _prefill_again(self, req: ProxyRequest, plan: Plan) -> Prefilled | None:
+        """A rerun's prompt on P, by its plan (as a new request's); None: D computes it."""
+        if not plan.is_disaggregated:
+            return None
+        try:
+            return await self.prefills.prefill(req, plan)
+        except APIError as e:  # P refused it now: D computes it, and answers for it
+            logger.warning("prefill for a request run again failed: %s", e)
+            return None
 
     def _whole_refusal(self, e: UpstreamError, num_failed: int) -> str | None:
         """Why a non-streamed request whose D failed does not run again elsewhere, or None."""
