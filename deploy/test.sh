@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the test suite (sets the environment up first when it is missing or out of date).
 #
-# The tests run on every core (pytest-xdist), one module per pytest worker, so that a module's
+# The tests run on every core (pytest-xdist), one module per pytest worker (a package whose modules
+# share processes: one package; tests/conftest.py's SHARED_PACKAGES), so that a module's
 # fixtures (its P, D and proxy processes) start once: one worker more than cores, because tests
 # also wait (for processes to start, die or time out), and on 2 cores 3 workers left the CPU
 # idle 6% of the run (PDSERVE_TEST_WORKERS overrides). The few tests marked `serial` assert on

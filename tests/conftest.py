@@ -79,7 +79,7 @@ def tokenizer(tmp_path_factory):
 # Modules that take 40 s or more (pytest --durations): pytest-xdist hands out whole modules
 # (deploy/test.sh), and one of these started last would run on alone while the other cores idle.
 LONG_MODULES = (  # the longest first (seconds of a 3-worker run on 2 cores, 2026-12-06)
-    "tests/chaos/test_chaos_long.py",  # 133
+    "tests/chaos/test_chaos_long.py",  # 133 (the chaos package runs as one unit: tests/chaos/)
     "tests/test_tensor_parallel.py",  # 117
     "tests/test_deploy_local.py",  # 106
     "tests/test_pd_pull.py",  # 85
@@ -96,7 +96,34 @@ LONG_MODULES = (  # the longest first (seconds of a 3-worker run on 2 cores, 202
 )
 
 
+# Packages whose modules share processes (a package-scoped fixture): pytest-xdist hands out each
+# as one unit, so that its workers start once, not once on every pytest worker that drew one of
+# its modules (the chaos package's P and D were started on all three).
+SHARED_PACKAGES = ("tests/chaos/",)
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit pytest-xdist hands out whole under deploy/test.sh's `--dist loadfile`: a test's
+    module, or its package when the package shares its processes."""
+    path = nodeid.split("::")[0]
+    return next((package for package in SHARED_PACKAGES if path.startswith(package)), path)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, by unit_of's units (pytest-xdist's `xdist_group` marks cannot do it
+    under pytest 9: they rewrite a test's id, which pytest 9 no longer keeps in `_nodeid`)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    return UnitScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """The long modules first, in the order above; the rest keep their order."""
-    rank = {path: i for i, path in enumerate(LONG_MODULES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+    """The long units first, in the order above; the rest keep their order."""
+    rank = {unit_of(path): i for i, path in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(unit_of(item.nodeid), len(rank)))
