@@ -109,6 +109,7 @@ def unit_of(nodeid: str) -> str:
     return next((package for package in SHARED_PACKAGES if path.startswith(package)), path)
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: unknown without it (-p no:xdist)
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadfile`, by unit_of's units (pytest-xdist's `xdist_group` marks cannot do it
     under pytest 9: they rewrite a test's id, which pytest 9 no longer keeps in `_nodeid`)."""
