@@ -1,5 +1,5 @@
-"""No import cycle among the modules of common/, nor among those of proxy/, type-only ones
-included.
+"""No import cycle among the modules of any of the project's packages (common/, proxy/, the
+workers', deploy/, benchmarks/, tests/), type-only ones included.
 
 A cycle is where the folder tree stops being the architecture diagram: two modules each need the
 other, so neither can be read, tested or replaced alone. The graph is read from the source (every
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("common", "proxy")
+PACKAGES = ("common", "proxy", "prefill_server", "decode_server", "deploy", "benchmarks", "tests")
 
 
 def module_names(package: str) -> dict[str, Path]:

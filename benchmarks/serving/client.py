@@ -25,14 +25,11 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import httpx
 
 from benchmarks.serving.datasets import SampleRequest
-
-if TYPE_CHECKING:
-    from benchmarks.serving.config import BenchConfig
 
 ENDPOINT_TYPES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
@@ -216,9 +213,23 @@ async def first_model(client: httpx.AsyncClient, base_url: str, api_key: str | N
         ) from e
 
 
+class Target(Protocol):
+    """What a run's client needs of its config (config.py's BenchConfig, which imports this
+    module: the client names only these fields, so the two need not import each other)."""
+
+    model: str | None
+    api_key: str | None
+    ignore_eos: bool
+    temperature: float
+    request_timeout: float
+
+    @property
+    def root_url(self) -> str: ...
+
+
 @contextlib.asynccontextmanager
 async def connected(
-    cfg: BenchConfig, endpoint_type: str, num_connections: int | None
+    cfg: Target, endpoint_type: str, num_connections: int | None
 ) -> AsyncIterator[tuple[httpx.AsyncClient, Endpoint]]:
     """A client of `num_connections` (None: no limit) and the endpoint a run sends to, its
     model asked of the server when `cfg` names none."""

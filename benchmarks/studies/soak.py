@@ -12,7 +12,7 @@ Exit status 1 when anything leaked, hung, or an RSS grew 5% or more.
 With `--rolling-restarts N` the decode workers run with `--drain-migrate`, and N times during
 the load (evenly spaced) one of them, in turn, is SIGTERM'd and started again on its port: a
 rolling restart under load, which lasts at least until the last one is healthy again. Its
-requests move to the other D (proxy/migration.py), so every request must still end well: the
+requests move to the other D (proxy/journey/migration.py), so every request must still end well: the
 ledger adds each restart's exit status and seconds to exit, and any error then also makes the
 exit status 1.
 
