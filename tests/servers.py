@@ -13,6 +13,10 @@ from deploy.processes import ROOT, free_port, wait_until
 __all__ = ["ROOT", "ServerProcess", "complete", "free_port", "kv_sources", "wait_until"]
 
 PROXY_DRAIN_S = 2.0
+# a worker's pool unless its args size it: ~11k blocks of the tiny llama, against the default
+# 1 GiB's 87k, whose allocation and prefault cost each start ~3 s of CPU
+TEST_KV_CACHE_MEMORY = "128MiB"
+_POOL_FLAGS = ("--num-blocks", "--kv-cache-memory")
 
 
 class ServerProcess(processes.ServerProcess):
@@ -20,7 +24,8 @@ class ServerProcess(processes.ServerProcess):
     (P/D vs colocated, server vs offline engine) hold across computation paths only in fp32,
     and `--dtype auto` is bf16 on CPUs with native bf16. It runs eager unless its args say
     `--no-enforce-eager`: a compile costs each worker 5-20 s of start-up on 2 cores, and the
-    compiled path has its own tests (parity, P/D push). A proxy runs as one process unless its
+    compiled path has its own tests (parity, P/D push). Its KV pool is `TEST_KV_CACHE_MEMORY`
+    unless its args size it. A proxy runs as one process unless its
     args say `--workers`: its per-process state (admission queue, outstanding counts) is what
     most proxy tests pin down; tests/test_proxy_processes.py covers several. A proxy gives the
     requests in flight 2 s on SIGTERM unless its args say `--drain-timeout` (its default is
@@ -36,6 +41,8 @@ class ServerProcess(processes.ServerProcess):
             args += ["--dtype", "float32"]
         if role != "proxy" and "--no-enforce-eager" not in args:
             args.append("--enforce-eager")
+        if role != "proxy" and not any(a.startswith(_POOL_FLAGS) for a in args):
+            args += ["--kv-cache-memory", TEST_KV_CACHE_MEMORY]
         super().__init__(role, args, log_path, port)
 
 

@@ -30,6 +30,13 @@ class RotaryEmbedding(nn.Module):
         self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None = None
     ):
         super().__init__()
+        if torch.empty(()).is_meta:  # a layout pass: the loader builds the tables on a real
+            # device (torch's meta kernels for this arithmetic import torch._dynamo: ~2 s)
+            table = torch.empty(max_positions, head_dim)
+            self.register_buffer("cos", table, persistent=False)
+            self.register_buffer("sin", table.clone(), persistent=False)
+            self._positions = None
+            return
         inv_freq = 1.0 / (
             theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
         )

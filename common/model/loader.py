@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch.overrides import TorchFunctionMode
 
 from common.arch_config import ArchConfig
 from common.model.hf_config import ModelLoadError, load_arch_config
@@ -45,12 +46,24 @@ def load_model(
     """The model, or with `tp` this rank's shard of it."""
     model_dir = Path(model_dir)
     arch = load_arch_config(model_dir)
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipInit():
         model = LlamaForCausalLM(arch, max_positions, tp)
-    model = model.to_empty(device="cpu")
+    # to_empty's empty_like on a meta tensor imports sympy (~1.5 s); plain empty does not
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
     _rebuild_buffers(model, arch, max_positions)
     _load_weights(model, arch, model_dir, None if tp is None else tp.shard)
     return model.to(device=device, dtype=dtype).eval()
+
+
+class _SkipInit(TorchFunctionMode):
+    """The layout pass runs no `torch.nn.init` function: the weights are read from the files,
+    and torch's meta kernels for the random fills import torch._dynamo (~2.5 s of CPU at every
+    start of an eager worker)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
 
 
 def _rebuild_buffers(model: LlamaForCausalLM, arch: ArchConfig, max_positions: int) -> None:
