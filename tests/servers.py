@@ -3,12 +3,17 @@ and what tests read from them."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+import threading
 from pathlib import Path
 
 import httpx
 
+from common.processes import Child
 from deploy import processes
 from deploy.processes import ROOT, free_port, wait_until
+from tests.forkserver import ForkServer
 
 __all__ = ["ROOT", "ServerProcess", "complete", "free_port", "kv_sources", "wait_until"]
 
@@ -44,6 +49,27 @@ class ServerProcess(processes.ServerProcess):
         if role != "proxy" and not any(a.startswith(_POOL_FLAGS) for a in args):
             args += ["--kv-cache-memory", TEST_KV_CACHE_MEMORY]
         super().__init__(role, args, log_path, port)
+
+    def _spawn(self) -> Child:
+        """Forked by this pytest process's fork server (tests/forkserver.py): the same program
+        at ~4 s less CPU a start."""
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        popen = fork_server().start(self.command(), env, ROOT, self.log_path)
+        return Child(self.role, self.url, self.log_path, popen)
+
+
+_fork_server: ForkServer | None = None
+_fork_server_lock = threading.Lock()
+
+
+def fork_server() -> ForkServer:
+    """This process's fork server, started at the first call (again if it has exited)."""
+    global _fork_server
+    with _fork_server_lock:
+        if _fork_server is None or not _fork_server.is_running:
+            log = Path(tempfile.gettempdir()) / f"pdserve-forkserver-{os.getpid()}.log"
+            _fork_server = ForkServer(ROOT, log)
+        return _fork_server
 
 
 def kv_sources(server: ServerProcess) -> dict[str, float]:
