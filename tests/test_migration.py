@@ -21,6 +21,11 @@ from tests.stub_worker import StubWorkers
 
 PROMPTS = [list(range(7 + 3 * i, 40 + 5 * i)) for i in range(8)]
 MAX_TOKENS = 300
+# The kill and drain tests' streams only have to be running when their D goes: it goes once
+# every stream has 3 tokens, when the furthest had 13-15 (measured at a load of 11 on 2
+# cores), so 120 leaves 8 times that; each decoded step costs D ~25 ms of CPU, and 300 tokens
+# made those two tests most of the module's cost. The refusal tests keep MAX_TOKENS.
+SHORT = 120
 ADMIN = "admin-key"
 
 
@@ -123,6 +128,17 @@ CASES = [  # (path, body): greedy, seeded sampled, logprobs, penalties, stop, ch
 ]  # fmt: skip
 
 
+def shorter(cases: list[tuple[str, dict]], max_tokens: int = SHORT) -> list[tuple[str, dict]]:
+    """The cases at `max_tokens` (a `min_tokens` kept as far below it as it was)."""
+    out = []
+    for path, body in cases:
+        body = {**body, "max_tokens": max_tokens}
+        if "min_tokens" in body:
+            body["min_tokens"] = max_tokens - (MAX_TOKENS - body["min_tokens"])
+        out.append((path, body))
+    return out
+
+
 def with_late_stop(case: tuple[str, dict], ref: Stream) -> tuple[str, dict]:
     """The case with a stop string from late in its uninterrupted text (hit after the cut)."""
     path, body = case
@@ -217,11 +233,12 @@ def test_a_killed_decode_workers_streams_continue_on_the_other(start_server, pro
     among them); one kill -9 of the busier D moves the streams of both."""
     p, ds = workers
     push = proxy_for(start_server, p, ds, "--mode", "push")
-    refs = references(proxy.url, CASES)
-    cases = [*CASES[:7], with_late_stop(CASES[7], refs[7])]
+    short = shorter(CASES)
+    refs = references(proxy.url, short)
+    cases = [*short[:7], with_late_stop(short[7], refs[7])]
     refs[7] = stream(proxy.url, *cases[7])
     assert refs[7].finish == {0: "stop"}
-    push_cases = [*CASES[:3], *N2_CASES]
+    push_cases = shorter([*CASES[:3], *N2_CASES])
     push_refs = references(push.url, push_cases)
     assert all(len(ref.texts) == 2 for ref in push_refs[3:])
     outs, threads = run_all(proxy.url, cases)
@@ -266,9 +283,10 @@ def drain(proxy, server, migrate: bool = True) -> None:
 def test_admin_drain_with_migrate_moves_streamed_and_whole_requests(start_server, workers):
     p, ds = workers
     proxy = proxy_for(start_server, p, ds)
-    ref = post(proxy.url, *CASES[1]).json()
+    case = shorter(CASES[1:2])[0]
+    ref = post(proxy.url, *case).json()
     whole: dict = {}
-    thread = threading.Thread(target=lambda: whole.update(post(proxy.url, *CASES[1]).json()))
+    thread = threading.Thread(target=lambda: whole.update(post(proxy.url, *case).json()))
     thread.start()
     assert wait_until(lambda: any(d.metric("pdserve_num_requests_running") for d in ds))
     victim = busiest(ds)
@@ -281,8 +299,9 @@ def test_admin_drain_with_migrate_moves_streamed_and_whole_requests(start_server
     assert wait_until(lambda: victim.metric("pdserve_num_requests_running") == 0)
     # streams, through a proxy of its own (in this one the victim stays drained)
     other = proxy_for(start_server, p, ds, "--min-disagg-tokens", "100000")  # D alone
-    refs = references(other.url, CASES[:3])
-    outs, threads = run_all(other.url, CASES[:3])
+    short = shorter(CASES[:3])
+    refs = references(other.url, short)
+    outs, threads = run_all(other.url, short)
     assert all(out.started.wait(30) for out in outs)
     drained = busiest(ds)
     num_running = drained.metric("pdserve_num_requests_running")
