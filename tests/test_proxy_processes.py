@@ -35,6 +35,15 @@ def stubs(tmp_path_factory):
     stub.stop()
 
 
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory, stubs):
+    """One proxy with the default flags for the tests that leave it as they found it (they
+    read it, or stop a process and continue it); it must exit 0 when the module is done."""
+    proxy = start_proxy(tmp_path_factory.mktemp("proxy"), stubs)
+    yield proxy
+    assert proxy.stop() == 0
+
+
 def start_proxy(tmp_path, stubs, *args: str) -> ServerProcess:
     proxy = ServerProcess(
         "proxy",
@@ -72,20 +81,21 @@ def admin_everywhere(proxy: ServerProcess, path: str, body: dict, headers=ADMIN)
     assert r.status_code == 200 and r.json()["processes"] == 2, r.text
 
 
-def test_connections_spread_and_metrics_count_every_process(tmp_path, stubs):
-    proxy = start_proxy(tmp_path, stubs)
-    try:
-        pids = {i: body["process"]["pid"] for i, body in processes_seen(proxy).items()}
-        assert len(set(pids.values())) == 2 and proxy.proc.pid not in pids.values()
-        assert all(complete(proxy).status_code == 200 for _ in range(30))
-        ok = 'pdserve_proxy_requests_total{endpoint="/v1/completions",status="200"}'
-        by_process = 'pdserve_proxy_process_requests_total{process="%d"}'
-        for _ in range(6):  # whichever process answers /metrics, it counts all 30
-            assert proxy.metric(ok) == 30
-            per_process = [proxy.metric(by_process % i, 0.0) for i in (0, 1)]
-            assert sum(per_process) == 30 and min(per_process) > 0, per_process
-    finally:
-        assert proxy.stop() == 0
+def test_connections_spread_and_metrics_count_every_process(proxy):
+    pids = {i: body["process"]["pid"] for i, body in processes_seen(proxy).items()}
+    assert len(set(pids.values())) == 2 and proxy.proc.pid not in pids.values()
+    ok = 'pdserve_proxy_requests_total{endpoint="/v1/completions",status="200"}'
+    by_process = 'pdserve_proxy_process_requests_total{process="%d"}'
+    before = proxy.metric(ok, 0.0)  # the shared proxy: what other tests sent (none do now)
+    before_per_process = [proxy.metric(by_process % i, 0.0) for i in (0, 1)]
+    assert sum(before_per_process) == before, before_per_process
+    assert all(complete(proxy).status_code == 200 for _ in range(30))
+    for _ in range(6):  # whichever process answers /metrics, it counts all 30
+        assert proxy.metric(ok) == before + 30
+        per_process = [
+            proxy.metric(by_process % i, 0.0) - b for i, b in zip((0, 1), before_per_process)
+        ]
+        assert sum(per_process) == 30 and min(per_process) > 0, per_process
 
 
 def test_a_sibling_still_starting_is_waited_for_not_refused():
@@ -103,34 +113,31 @@ def test_a_sibling_still_starting_is_waited_for_not_refused():
             sock.close()
 
 
-def test_ready_only_when_every_process_is(tmp_path, stubs):
+def test_ready_only_when_every_process_is(proxy):
     """The kernel may hand the next connection to any process, and each runs its own health
     checks: one 200 from `/ready` must mean every process can route. With process 1 stopped
     (it cannot answer; one whose checks have not yet seen a worker come up answers 503),
-    process 0 answers 503 and names it; continued, both answer 200."""
-    proxy = start_proxy(tmp_path, stubs)
+    process 0 answers 503 and names it; continued, both answer 200 (the shared proxy is left
+    as it was found)."""
+    pids = {i: body["process"]["pid"] for i, body in processes_seen(proxy).items()}
+    assert all(body["ready"] for body in processes_seen(proxy).values())
+    os.kill(pids[1], signal.SIGSTOP)
     try:
-        pids = {i: body["process"]["pid"] for i, body in processes_seen(proxy).items()}
-        assert all(body["ready"] for body in processes_seen(proxy).values())
-        os.kill(pids[1], signal.SIGSTOP)
-        try:
 
-            def process_0_waits_for_1() -> bool:
-                try:  # a connection the kernel gave to process 1 waits in its backlog
-                    r = httpx.get(f"{proxy.url}/ready", timeout=3)
-                except httpx.TimeoutException:
-                    return False
-                body = r.json()
-                assert body["process"]["index"] == 0 and r.status_code == 503, r.text
-                return len(body["siblings_not_ready"]) == 1 and not body["ready"]
+        def process_0_waits_for_1() -> bool:
+            try:  # a connection the kernel gave to process 1 waits in its backlog
+                r = httpx.get(f"{proxy.url}/ready", timeout=3)
+            except httpx.TimeoutException:
+                return False
+            body = r.json()
+            assert body["process"]["index"] == 0 and r.status_code == 503, r.text
+            return len(body["siblings_not_ready"]) == 1 and not body["ready"]
 
-            assert wait_until(process_0_waits_for_1, timeout=60, interval=0.05)
-        finally:
-            os.kill(pids[1], signal.SIGCONT)
-        seen = processes_seen(proxy)
-        assert all(body["ready"] and "siblings_not_ready" not in body for body in seen.values())
+        assert wait_until(process_0_waits_for_1, timeout=60, interval=0.05)
     finally:
-        assert proxy.stop() == 0
+        os.kill(pids[1], signal.SIGCONT)
+    seen = processes_seen(proxy)
+    assert all(body["ready"] and "siblings_not_ready" not in body for body in seen.values())
 
 
 def test_an_admin_change_reaches_every_process(tmp_path, stubs):
@@ -305,18 +312,14 @@ def test_no_secret_on_a_command_line(tmp_path, stubs, monkeypatch):
         assert proxy.stop() == 0
 
 
-def test_a_non_ascii_peer_header_is_no_peer(tmp_path, stubs):
+def test_a_non_ascii_peer_header_is_no_peer(proxy):
     """A client's `X-Pdserve-Peer` that is not ASCII is a wrong token (the metrics of every
     process), not a 500 from comparing it."""
-    proxy = start_proxy(tmp_path, stubs)
-    try:
-        urls, _ = siblings_of(proxy)
-        for url in urls:
-            r = httpx.get(f"{url}/metrics", headers={"X-Pdserve-Peer": b"\xff\xfe"})
-            assert r.status_code == 200, r.text
-            assert 'pdserve_proxy_process_requests_total{process="1"}' in r.text
-    finally:
-        assert proxy.stop() == 0
+    urls, _ = siblings_of(proxy)
+    for url in urls:
+        r = httpx.get(f"{url}/metrics", headers={"X-Pdserve-Peer": b"\xff\xfe"})
+        assert r.status_code == 200, r.text
+        assert 'pdserve_proxy_process_requests_total{process="1"}' in r.text
 
 
 def test_a_retry_repairs_an_admin_change_a_process_missed(tmp_path, stubs):
