@@ -21,10 +21,13 @@ import pytest
 
 from common.api.cli import kv_events_curve
 from common.cpu import parse_cpu_list
-from deploy.processes import metric
+from deploy.processes import TLS, metric
 from tests.servers import ROOT, wait_until
 
 WORKER_ARGS = ["--num-blocks", "64", "--max-model-len", "256"]
+# a one-process proxy (~3 CPU-s less a launch) where its processes are not what the test is
+# about: the SIGTERM and Ctrl-C tests keep the default, one per core, which the stop must reach
+ONE_PROXY = "--proxy-args=--workers 1"
 ROW = re.compile(
     r"^  (\S+)\s+(http://\S+)\s+pid (\d+)\s+(any core|cores? \S+, \d+ threads?)\s+log (\S+)$",
     re.MULTILINE,
@@ -33,12 +36,13 @@ ROW = re.compile(
 
 def proc_stat(pid: int) -> tuple[str, int, int] | None:
     """(state, parent pid, start time) of a process, None when there is none."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
+    try:  # bytes: every poll reads every process's (~5 ms of CPU a poll, twice that as text)
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
-    return fields[0], int(fields[1]), int(fields[19])
+    fields = data[data.rindex(b")") + 2 :].split()  # after "pid (comm) "
+    return fields[0].decode(), int(fields[1]), int(fields[19])
 
 
 def descendants(root: int) -> dict[int, int]:
@@ -83,7 +87,7 @@ class Launcher:
             self.seen.update(descendants(self.proc.pid))
             return re.search(pattern, self.out_path.read_text(), re.MULTILINE)
 
-        assert wait_until(lambda: found() or self.proc.poll() is not None, timeout, 0.2)
+        assert wait_until(lambda: found() or self.proc.poll() is not None, timeout, 0.5)
         match = found()
         assert match, f"no {pattern!r} in the launcher's output:\n{self.output()}"
         return match
@@ -193,7 +197,10 @@ def test_a_worker_that_cannot_start_ends_the_launcher(launch, tiny_model, tmp_pa
     args = [str(empty) if a == "EMPTY" else a for a in bad]
     if "--model" not in args:
         args = ["--model", str(tiny_model("llama")), *args]
-    launcher = launch(*args)
+    # one worker (it fails as each of a P/D pair does, at ~6 CPU-s a start) and a one-process
+    # proxy: the launcher still has to notice the failure and stop the proxy (and, when the
+    # model fails, the worker, which stays up)
+    launcher = launch("--prefill", "0", "--mode", "colocated", ONE_PROXY, *args)
     launcher.wait_for(r"^  decode-0 ")
     assert launcher.wait() == 1, launcher.output()
     err = launcher.err_path.read_text()
@@ -203,7 +210,7 @@ def test_a_worker_that_cannot_start_ends_the_launcher(launch, tiny_model, tmp_pa
 
 
 def test_ask_answers_and_exit_stops_everything(launch, tiny_model):
-    args = ["--model", str(tiny_model("llama")), "--ask", "Hello there", "--exit"]
+    args = ["--model", str(tiny_model("llama")), "--ask", "Hello there", "--exit", ONE_PROXY]
     launcher = launch(*args, "--", *WORKER_ARGS, "--enforce-eager")
     launcher.wait_for(r"^ready: ")
     assert launcher.wait() == 0, launcher.output()
@@ -228,7 +235,9 @@ def test_a_taken_port_is_refused_before_anything_starts(launch):
 
 def test_a_tp_decode_worker_serves_colocated_on_its_cores(launch, tiny_model):
     args = ["--model", str(tiny_model("llama")), "--prefill", "0", "--decode-tp", "2"]
-    launcher = launch(*args, "--mode", "colocated", "--", *WORKER_ARGS, "--enforce-eager")
+    launcher = launch(
+        *args, "--mode", "colocated", ONE_PROXY, "--", *WORKER_ARGS, "--enforce-eager"
+    )
     url = launcher.wait_for(r"^ready: (http://\S+)").group(1)
     assert "0 prefill + 1 decode (TP 2 each), mode colocated" in launcher.output()
     children = launcher.children()
@@ -253,7 +262,7 @@ def test_a_tp2_prefill_worker_hands_its_kv_to_a_tp1_decode_worker(launch, tiny_m
     """P at TP 2, D at TP 1 on CPU (KV moves between TP sizes): the proxy's answer was decoded
     from P's KV, and P's rank 1 runs beside it. The next turn's prompt holds the answer, which
     P reads from D (the reverse pull, from TP 1 to TP 2) and the answer is D's alone."""
-    args = ["--model", str(tiny_model("llama")), "--prefill-tp", "2"]
+    args = ["--model", str(tiny_model("llama")), "--prefill-tp", "2", ONE_PROXY]
     launcher = launch(*args, "--", *WORKER_ARGS, "--enforce-eager", "--dtype", "float32")
     url = launcher.wait_for(r"^ready: (http://\S+)").group(1)
     assert "1 prefill (TP 2 each) + 1 decode, mode pull" in launcher.output()
@@ -384,7 +393,8 @@ def test_stop_kills_a_child_that_ignores_sigterm_and_what_it_started(tmp_path):
 
 
 def metric_lines(url: str, prefix: str) -> int:
-    return sum(line.startswith(prefix) for line in httpx.get(f"{url}/metrics").text.splitlines())
+    text = httpx.get(f"{url}/metrics", verify=TLS).text
+    return sum(line.startswith(prefix) for line in text.splitlines())
 
 
 def test_workers_get_kv_events_on_loopback_with_curve_keys():
