@@ -36,7 +36,16 @@ class ServerProcess(processes.ServerProcess):
     requests in flight 2 s on SIGTERM unless its args say `--drain-timeout` (its default is
     10 s): a stream a test left open does not hold the module's teardown that long."""
 
-    def __init__(self, role: str, args: list[str], log_path: Path, port: int | None = None):
+    def __init__(
+        self,
+        role: str,
+        args: list[str],
+        log_path: Path,
+        port: int | None = None,
+        *,
+        fork: bool = True,
+    ):
+        self.fork = fork
         args = list(args)
         if role == "proxy" and "--workers" not in args:
             args += ["--workers", "1"]
@@ -52,7 +61,10 @@ class ServerProcess(processes.ServerProcess):
 
     def _spawn(self) -> Child:
         """Forked by this pytest process's fork server (tests/forkserver.py): the same program
-        at ~4 s less CPU a start."""
+        at ~4 s less CPU a start. `fork=False`: started by exec, as a user starts it, for a test
+        that reads its /proc command line or environment (a forked child's are the server's)."""
+        if not self.fork:
+            return super()._spawn()
         env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
         popen = fork_server().start(self.command(), env, ROOT, self.log_path)
         return Child(self.role, self.url, self.log_path, popen)

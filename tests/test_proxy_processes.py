@@ -289,7 +289,8 @@ def test_no_secret_on_a_command_line(tmp_path, stubs, monkeypatch):
     monkeypatch.setenv("PDSERVE_API_KEY", "client-from-env")
     args = ["--mode", "colocated", "--decode", stubs.url, "--workers", "2"]
     args += ["--admin-key-file", str(admin_file), "--internal-token", "token-from-flag"]
-    proxy = ServerProcess("proxy", args, tmp_path / "proxy.log").wait_ready(path="/ready")
+    proxy = ServerProcess("proxy", args, tmp_path / "proxy.log", fork=False)  # its cmdline
+    proxy.wait_ready(path="/ready")
     try:
         urls, _ = siblings_of(proxy)
         children = [body["process"]["pid"] for body in processes_seen(proxy).values()]
