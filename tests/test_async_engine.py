@@ -14,12 +14,32 @@ from common.engine.engine import LLMEngine
 from common.engine.sampling_params import SamplingParams
 
 
-def test_cancelled_calls_and_admissions_leave_the_engine_alive(tiny_model):
+def _config(tiny_model) -> EngineConfig:
     model = ModelConfig(str(tiny_model("llama")))
-    cfg = EngineConfig(model=model, cache=CacheConfig(num_blocks=32))
+    return EngineConfig(model=model, cache=CacheConfig(num_blocks=32))
 
+
+@pytest.fixture(scope="module")
+def shared_engine(tiny_model):
+    """make() → the module's LLMEngine, built (and compiled: ~5 CPU-s) on the first call, in
+    the engine thread of the AsyncEngine that asks for it: the tests that leave it idle, with
+    every block free (each asserts it or runs its requests to the end), hand it on. The test
+    whose step fails makes its own."""
+    cfg, made = _config(tiny_model), []
+
+    def make() -> LLMEngine:
+        if not made:
+            made.append(LLMEngine(cfg))
+        engine = made[0]
+        assert not engine.has_unfinished_requests() and engine.pool.is_all_free
+        return engine
+
+    return make
+
+
+def test_cancelled_calls_and_admissions_leave_the_engine_alive(shared_engine):
     async def scenario():
-        engine = AsyncEngine(lambda: LLMEngine(cfg))
+        engine = AsyncEngine(shared_engine)
         await engine.start()
         try:
             gate = threading.Event()
@@ -46,8 +66,7 @@ def test_cancelled_calls_and_admissions_leave_the_engine_alive(tiny_model):
 def test_a_dead_engine_thread_fails_every_pending_and_later_call(tiny_model):
     """A step that raises ends the thread: the request being generated, a call queued while the
     step ran and any later call or request all fail with EngineDeadError instead of hanging."""
-    model = ModelConfig(str(tiny_model("llama")))
-    cfg = EngineConfig(model=model, cache=CacheConfig(num_blocks=32))
+    cfg = _config(tiny_model)  # an engine of its own: its failed step leaves a request in it
 
     async def scenario():
         engine = AsyncEngine(lambda: LLMEngine(cfg))
@@ -93,6 +112,7 @@ class Batches:
             return execute(scheduled, meta)
 
         runner.execute = recording
+        self.remove = lambda: delattr(runner, "execute")  # the runner's own again
 
 
 async def _all(outputs) -> list:
@@ -100,20 +120,18 @@ async def _all(outputs) -> list:
 
 
 @pytest.mark.parametrize("arrival_wait", [30.0, 0.0])
-def test_an_idle_engine_waits_for_requests_on_their_way(tiny_model, arrival_wait):
+def test_an_idle_engine_waits_for_requests_on_their_way(shared_engine, arrival_wait):
     """Request b is still being parsed (the server counts it as on its way) when a reaches an
     idle engine: with an arrival wait the first step runs both; with none, a alone."""
-    model = ModelConfig(str(tiny_model("llama")))
-    cfg = EngineConfig(model=model, cache=CacheConfig(num_blocks=32))
     on_the_way = [0]
 
     async def scenario():
         engine = AsyncEngine(
-            lambda: LLMEngine(cfg), on_the_way=lambda: on_the_way[0], arrival_wait=arrival_wait
+            shared_engine, on_the_way=lambda: on_the_way[0], arrival_wait=arrival_wait
         )
         await engine.start()
+        batches = Batches(engine)
         try:
-            batches = Batches(engine)
             params = SamplingParams(max_tokens=4, ignore_eos=True)
             on_the_way[0] = 1  # "b"
             a = asyncio.ensure_future(_all(engine.generate("a", [5, 6, 7], params)))
@@ -127,6 +145,7 @@ def test_an_idle_engine_waits_for_requests_on_their_way(tiny_model, arrival_wait
             return batches.steps, engine.num_arrival_waits
         finally:
             await engine.stop()
+            batches.remove()
 
     steps, waits = asyncio.run(asyncio.wait_for(scenario(), 60))
     if arrival_wait:
@@ -135,18 +154,14 @@ def test_an_idle_engine_waits_for_requests_on_their_way(tiny_model, arrival_wait
         assert steps[0] == ["a"] and waits == 0, steps
 
 
-def test_the_arrival_wait_is_bounded_and_a_running_batch_never_waits(tiny_model):
+def test_the_arrival_wait_is_bounded_and_a_running_batch_never_waits(shared_engine):
     """A request whose arrival never completes (the count stuck above zero) delays an idle
     engine's step by at most the wait; while requests run, steps do not wait at all (with a
     wait of 20 s per step, 12 tokens would take minutes: the 60 s bound fails the test)."""
-    model = ModelConfig(str(tiny_model("llama")))
-    cfg = EngineConfig(model=model, cache=CacheConfig(num_blocks=32))
     on_the_way = [1]  # stuck: a request that never reaches the engine
 
     async def scenario():
-        engine = AsyncEngine(
-            lambda: LLMEngine(cfg), on_the_way=lambda: on_the_way[0], arrival_wait=0.2
-        )
+        engine = AsyncEngine(shared_engine, on_the_way=lambda: on_the_way[0], arrival_wait=0.2)
         await engine.start()
         try:
             params = SamplingParams(max_tokens=3, ignore_eos=True)
@@ -169,14 +184,12 @@ class Draining(RuntimeError):
     pass
 
 
-def test_end_all_ends_every_generation_and_frees_its_blocks(tiny_model):
+def test_end_all_ends_every_generation_and_frees_its_blocks(shared_engine):
     """`--drain-migrate`'s end: requests being generated raise the error at once (their blocks
     back in the pool), and so does any request that would still start."""
-    model = ModelConfig(str(tiny_model("llama")))
-    cfg = EngineConfig(model=model, cache=CacheConfig(num_blocks=32))
 
     async def scenario():
-        engine = AsyncEngine(lambda: LLMEngine(cfg))
+        engine = AsyncEngine(shared_engine)
         await engine.start()
         try:
             params = SamplingParams(max_tokens=200, ignore_eos=True)

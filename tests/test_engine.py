@@ -36,10 +36,25 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
 
 
+# Each LLM compiles its model (~5 CPU-s on the tiny one): the tests that run the same options
+# share one, made once for the module. Every test leaves its engine idle with no block in use
+# (asserted), and what a test asserts does not depend on another test having run before it
+# (greedy and seeded outputs do not change with prefix-cache hits, as
+# test_prefix_cache_hit_gives_same_output shows).
 @pytest.fixture(scope="module")
-def alone(tiny_model):
+def no_prefix_llm(tiny_model) -> LLM:
+    return tiny_llm(tiny_model, num_blocks=64, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def plain_llm(tiny_model) -> LLM:
+    return tiny_llm(tiny_model, num_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def alone(no_prefix_llm):
     """Each prompt on its own, no prefix cache, one prefill chunk."""
-    llm = tiny_llm(tiny_model, num_blocks=64, enable_prefix_caching=False)
+    llm = no_prefix_llm
     results = {}
     for name, params in (("greedy", GREEDY), ("seeded", SEEDED)):
         results[name] = [token_ids(llm.generate(p, params))[0] for p in prompts()]
@@ -47,11 +62,16 @@ def alone(tiny_model):
     return results
 
 
-@pytest.mark.parametrize("mode", ["greedy", "seeded"])
-def test_batch_with_chunked_prefill_equals_alone(tiny_model, alone, mode):
-    llm = tiny_llm(
+@pytest.fixture(scope="module")
+def chunked_llm(tiny_model) -> LLM:
+    return tiny_llm(
         tiny_model, num_blocks=64, max_num_batched_tokens=24, enable_prefix_caching=False
     )
+
+
+@pytest.mark.parametrize("mode", ["greedy", "seeded"])
+def test_batch_with_chunked_prefill_equals_alone(chunked_llm, alone, mode):
+    llm = chunked_llm
     params = GREEDY if mode == "greedy" else SEEDED
     assert token_ids(llm.generate(prompts(), params)) == alone[mode]
     assert llm.engine.pool.is_all_free
@@ -88,8 +108,8 @@ def test_max_num_seqs_limits_the_running_batch(tiny_model, alone):
     assert engine.pool.num_used_blocks == 0
 
 
-def test_stop_string_token_and_length(tiny_model):
-    llm = tiny_llm(tiny_model, num_blocks=64)
+def test_stop_string_token_and_length(plain_llm):
+    llm = plain_llm
     prompt = prompts()[3]
     base = llm.generate(prompt, GREEDY)[0].outputs[0]
     assert base.finish_reason == "length" and len(base.token_ids) == 24
@@ -110,8 +130,8 @@ def test_stop_string_token_and_length(tiny_model):
     assert llm.engine.pool.num_used_blocks == 0
 
 
-def test_n_samples_and_logprobs(tiny_model):
-    llm = tiny_llm(tiny_model, num_blocks=64)
+def test_n_samples_and_logprobs(plain_llm):
+    llm = plain_llm
     params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, logprobs=2)
     out = llm.generate(prompts()[2], params)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
@@ -153,11 +173,11 @@ def test_invalid_sampling_params(params, field, limit):
     assert limit in str(err.value)
 
 
-def test_invalid_prompts(tiny_model):
-    llm = tiny_llm(tiny_model, num_blocks=64, max_model_len=64)
-    engine: LLMEngine = llm.engine
-    with pytest.raises(ValueError, match=r"prompt is 64 tokens, max_model_len is 64"):
-        engine.add_request("long", [5] * 64)
+def test_invalid_prompts(plain_llm):
+    engine: LLMEngine = plain_llm.engine
+    limit = engine.max_model_len  # the tiny model's 512
+    with pytest.raises(ValueError, match=rf"prompt is {limit} tokens, max_model_len is {limit}"):
+        engine.add_request("long", [5] * limit)
     with pytest.raises(ValueError, match=rf"token ids must be in \[0, {VOCAB}\)"):
         engine.add_request("oov", [5, VOCAB])
     with pytest.raises(ValueError, match="stop_token_ids"):
@@ -167,8 +187,8 @@ def test_invalid_prompts(tiny_model):
     assert not engine.has_unfinished_requests() and engine.pool.is_all_free
 
 
-def test_n_children_share_prompt_blocks_and_match_single_requests(tiny_model):
-    llm = tiny_llm(tiny_model, num_blocks=64)
+def test_n_children_share_prompt_blocks_and_match_single_requests(plain_llm, no_prefix_llm):
+    llm = plain_llm
     engine = llm.engine
     prompt = prompts()[4]  # 48 tokens: the last block is recomputed by every child
     params = SamplingParams(n=3, temperature=0.8, seed=11, max_tokens=6, ignore_eos=True)
@@ -183,7 +203,7 @@ def test_n_children_share_prompt_blocks_and_match_single_requests(tiny_model):
     assert shared[0] == shared[1] == shared[2] and refs == [3, 3]
     assert engine.pool.num_used_blocks == 0
     # each child i samples as a lone request with seed 11 + i would
-    llm2 = tiny_llm(tiny_model, num_blocks=64, enable_prefix_caching=False)
+    llm2 = no_prefix_llm
     together = llm.generate(prompt, params)[0].outputs
     for i, child in enumerate(together):
         alone = llm2.generate(prompt, dataclasses.replace(params, n=1, seed=11 + i))[0]
