@@ -145,6 +145,19 @@ def test_completion_accepts_the_harmless_forms():
         ),
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "tools"),
         ({"tools": [{"type": "function", "function": {}}]}, "tools.0.function.name", "required"),
+        *[  # a past call whose function is not an object was a 500 (found by the fuzzer)
+            (
+                {"messages": [*USER, {"role": "assistant", "tool_calls": [call]}]},
+                "messages.1.tool_calls",
+                words,
+            )
+            for call, words in [
+                ({"id": "1", "type": "function", "function": ["f"]}, "'function' object"),
+                ({"id": "1", "type": "function", "function": "f"}, "'function' object"),
+                ({"id": "1", "type": "function", "function": {"arguments": "{}"}}, "'name'"),
+                ({"id": "1", "function": {"name": "f", "arguments": 5}}, "arguments"),
+            ]
+        ],
         ({"echo": True}, "echo", "echo is not supported"),
         ({"logit_bias": {"1": 5}}, "logit_bias", "not supported"),
         ({"guided_regex": 5}, "guided_regex", ""),

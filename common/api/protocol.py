@@ -389,6 +389,17 @@ class ChatMessage(_Request):
     audio: dict[str, Any] | None = None
     function_call: dict[str, Any] | None = None
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _check_calls(cls, calls: Any) -> Any:
+        for call in calls or []:
+            function = call.get("function")
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise _invalid("each tool call needs a 'function' object with a 'name' string")
+            if not isinstance(function.get("arguments", ""), str | dict):
+                raise _invalid("a tool call's 'function.arguments' must be a JSON string")
+        return calls
+
     @field_validator("content")
     @classmethod
     def _check_parts(cls, content: Any) -> Any:
