@@ -50,8 +50,33 @@ def test_padded_static_decodes_equal_the_forward(tiny_model, arch):
     assert graphs.pool.num_used_blocks == 0
 
 
-def test_padding_writes_only_the_pad_block(tiny_model):
-    llm = engine(str(tiny_model("llama")), cuda_graph_sizes=(4,))
+@pytest.fixture(scope="module")
+def _engine_of_size_4(tiny_model):
+    return engine(str(tiny_model("llama")), cuda_graph_sizes=(4,))
+
+
+@pytest.fixture
+def engine_of_size_4(_engine_of_size_4):
+    """The llama engine with graph size 4, compiled once (~5 CPU-s) for the tests below and
+    handed to each as a fresh one would be: after a test, the padding watch removed, the pad
+    slot restored, the replay counts zeroed, the prefix cache emptied (every block empty
+    again, so that the pool hands out block 0 first) and the KV zeroed, as allocated (the watch
+    sees a write by the change it makes: the same prompt's KV again would look unwritten)."""
+    llm = _engine_of_size_4
+    graphs = llm.runner.graphs
+    pad_slot = graphs.pad_slot
+    yield llm
+    graphs.__dict__.pop("run", None)  # watch_padding's wrapper
+    graphs.pad_slot = pad_slot
+    graphs.num_replays.clear()
+    llm.pool.reset_prefix_cache()
+    for kv_cache in llm.runner.kv_caches.values():
+        kv_cache.zero_()
+    assert llm.pool.is_all_free and not llm.has_unfinished_requests()
+
+
+def test_padding_writes_only_the_pad_block(engine_of_size_4):
+    llm = engine_of_size_4
     pad = llm.runner.graphs.pad_block
     assert pad == llm.num_blocks - 1 and llm.pool.num_blocks == llm.num_blocks - 1
     problems = watch_padding(llm)
@@ -64,10 +89,10 @@ def test_padding_writes_only_the_pad_block(tiny_model):
     assert problems == []
 
 
-def test_the_padding_watch_sees_a_write_outside_the_step(tiny_model):
+def test_the_padding_watch_sees_a_write_outside_the_step(engine_of_size_4):
     """watch_padding, which the GPU check runs too, reports padding rows aimed at slot 0 (a
     request's first token, as the pool hands out block 0 first) instead of the pad block."""
-    llm = engine(str(tiny_model("llama")), cuda_graph_sizes=(4,))
+    llm = engine_of_size_4
     llm.runner.graphs.pad_slot = 0
     problems = watch_padding(llm)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
