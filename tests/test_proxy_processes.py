@@ -65,7 +65,10 @@ def processes_seen(proxy: ServerProcess, path: str = "/ready", **kw) -> dict[int
     seen: dict[int, dict] = {}
 
     def both() -> bool:
-        body = httpx.get(f"{proxy.url}{path}", timeout=5, **kw).json()
+        try:
+            body = httpx.get(f"{proxy.url}{path}", timeout=5, **kw).json()
+        except httpx.TimeoutException:  # it reached the socket of a process not started again
+            return False  # yet (the kernel picks the socket): it is answered once it is
         index = body["process"]["index"] if path == "/ready" else body["process"]
         seen[index] = body
         return len(seen) == 2
