@@ -57,6 +57,12 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default
 
 
+def child_env() -> dict[str, str]:
+    """This process's environment for a server it starts from the tree: the tree importable,
+    output unbuffered (its log shows each line when it is written)."""
+    return dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+
+
 class ServerProcess:
     """`python -m {role}_server` (or `-m proxy`) on loopback with `args`, its output in
     `log_path`; started at once, `wait_ready` waits for it."""
@@ -79,11 +85,10 @@ class ServerProcess:
         return [sys.executable, "-m", module, "--port", str(self.port), *self.args]
 
     def _spawn(self) -> Child:
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-        cmd = self.command()
         return processes.spawn(
-            self.role, cmd, url=self.url, log_path=self.log_path, env=env, cwd=ROOT
-        )
+            self.role, self.command(), url=self.url, log_path=self.log_path, env=child_env(),
+            cwd=ROOT,
+        )  # fmt: skip
 
     def restart(self, sig: int = signal.SIGKILL) -> ServerProcess:
         """Stop the process (SIGKILL by default) and start a new one on the same port with the

@@ -31,6 +31,7 @@ import threading
 from pathlib import Path
 
 from common import processes
+from deploy.processes import ROOT, child_env
 
 # what `python -m prefill_server|decode_server|proxy` imports before it reads its arguments
 PRELOAD = ("common.api.server", "proxy.server")
@@ -80,12 +81,12 @@ class Forked:
 class ForkServer:
     """The client side: starts the server process, asks it for children, learns their exits."""
 
-    def __init__(self, root: Path, log_path: Path):
+    def __init__(self, log_path: Path):
         ours, theirs = socket.socketpair()
-        env = dict(os.environ, PYTHONPATH=str(root), PYTHONUNBUFFERED="1")
         cmd = [sys.executable, "-m", "tests.forkserver", str(theirs.fileno())]
+        fds = (theirs.fileno(),)
         self.child = processes.spawn(
-            "forkserver", cmd, log_path=log_path, env=env, pass_fds=(theirs.fileno(),), cwd=root
+            "forkserver", cmd, log_path=log_path, env=child_env(), pass_fds=fds, cwd=ROOT
         )
         theirs.close()
         self._sock = ours

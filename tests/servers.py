@@ -12,7 +12,7 @@ import httpx
 
 from common.processes import Child
 from deploy import processes
-from deploy.processes import ROOT, free_port, wait_until
+from deploy.processes import ROOT, child_env, free_port, wait_until
 from tests.forkserver import ForkServer
 
 __all__ = ["ROOT", "ServerProcess", "complete", "free_port", "kv_sources", "wait_until"]
@@ -65,8 +65,7 @@ class ServerProcess(processes.ServerProcess):
         that reads its /proc command line or environment (a forked child's are the server's)."""
         if not self.fork:
             return super()._spawn()
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-        popen = fork_server().start(self.command(), env, ROOT, self.log_path)
+        popen = fork_server().start(self.command(), child_env(), ROOT, self.log_path)
         return Child(self.role, self.url, self.log_path, popen)
 
 
@@ -80,7 +79,7 @@ def fork_server() -> ForkServer:
     with _fork_server_lock:
         if _fork_server is None or not _fork_server.is_running:
             log = Path(tempfile.gettempdir()) / f"pdserve-forkserver-{os.getpid()}.log"
-            _fork_server = ForkServer(ROOT, log)
+            _fork_server = ForkServer(log)
         return _fork_server
 
 

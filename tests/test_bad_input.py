@@ -81,9 +81,11 @@ INVALID = {  # name: (path, body, param)
 DEEP_ARGUMENTS = '{"a":' * 1500 + "1" + "}" * 1500
 # ~975 levels of JSON as a tool's parameters, written out (json.dumps would recurse as deep)
 DEEP_SCHEMA = '{"type":"object","properties":{"a":' * 487 + '{"type":"object"}' + "}}" * 487
-DEEP_TOOL = b'{"messages":%s,"tool_choice":"required","tools":[{"type":"function",' % (
-    json.dumps(HI).encode()
-) + b'"function":{"name":"f","parameters":%s}}]}' % DEEP_SCHEMA.encode()
+DEEP_TOOL = (
+    b'{"messages":%s,"tool_choice":"required","tools":[{"type":"function",'
+    % (json.dumps(HI).encode())
+    + b'"function":{"name":"f","parameters":%s}}]}' % DEEP_SCHEMA.encode()
+)
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP_ARGUMENTS}}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 # fmt: off

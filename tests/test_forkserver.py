@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.forkserver import ForkServer, reaped_cpu_seconds
-from tests.servers import ROOT, fork_server, wait_until
+from tests.servers import fork_server, wait_until
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def server():
 
 @pytest.fixture
 def own_server(tmp_path):
-    fs = ForkServer(ROOT, tmp_path / "forkserver.log")
+    fs = ForkServer(tmp_path / "forkserver.log")
     yield fs
     fs.child.send(signal.SIGKILL)
 
